@@ -1,0 +1,188 @@
+"""Framed messages over one AF_UNIX stream socket per worker.
+
+Each frame is a 4-byte little-endian length followed by a pickle. A frame may carry file
+descriptors (the memfd behind a new shared-memory slab) as SCM_RIGHTS ancillary data attached to
+its first byte; the receiver queues them in arrival order, and the frame that announces a new
+slab pops them from that queue.
+
+The two ends are used differently:
+
+* The worker end is blocking: a worker has nothing else to do while it waits.
+* The parent end is non-blocking and never waits: ``pump_in`` reads whatever the kernel already
+  holds, ``pump_out`` writes whatever fits. The orchestrator awaits readiness through one
+  selector (see ``_workers.py``), so no read or write can stall the event loop, and a read cut
+  short by cancellation leaves its bytes in ``inbox`` for the next call.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import pickle
+import socket
+import struct
+from collections import deque
+from typing import Any
+
+_HEADER = struct.Struct("<I")
+_MAX_FRAME = (1 << 32) - 1
+# One recvmsg() reads at most this much; larger frames arrive over several calls. The bound also
+# caps how long a single read can hold the event loop.
+_READ_CHUNK = 1 << 20
+# Room for the descriptors that can ride on one read.
+_MAX_FDS_PER_READ = 64
+_ANC_SPACE = socket.CMSG_SPACE(_MAX_FDS_PER_READ * array.array("i").itemsize)
+
+
+class ChannelClosed(Exception):
+    """The peer closed its end (for a worker: the worker exited or died)."""
+
+
+def encode_frame(message: Any) -> bytes:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(payload) > _MAX_FRAME:
+        raise ValueError(f"aioload frame of {len(payload)} bytes exceeds the 4 GiB limit")
+    return _HEADER.pack(len(payload)) + payload
+
+
+class ParentChannel:
+    """The parent's non-blocking end of one worker's socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.inbox = bytearray()
+        self.outbox = bytearray()
+        self.fds: deque[int] = deque()
+        self.closed = False
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def queue(self, message: Any) -> None:
+        self.outbox += encode_frame(message)
+
+    def pump_out(self) -> None:
+        """Write as much of the outbox as the socket takes now."""
+        while self.outbox and not self.closed:
+            try:
+                sent = self.sock.send(self.outbox)
+            except (BlockingIOError, InterruptedError):
+                return
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                raise ChannelClosed from exc
+            del self.outbox[:sent]
+
+    def pump_in(self, budget: int = 8 * _READ_CHUNK) -> list[Any]:
+        """Read what is buffered in the kernel (up to ``budget`` bytes) and return whole frames.
+
+        Raises ChannelClosed once the peer has closed and every complete frame it sent before
+        closing has been returned.
+        """
+        eof = False
+        read = 0
+        while read < budget:
+            try:
+                data, ancdata, _flags, _addr = self.sock.recvmsg(_READ_CHUNK, _ANC_SPACE)
+            except (BlockingIOError, InterruptedError):
+                break
+            except ConnectionResetError:
+                eof = True
+                break
+            for level, kind, raw in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds = array.array("i")
+                    fds.frombytes(raw[: len(raw) - (len(raw) % fds.itemsize)])
+                    self.fds.extend(fds)
+            if not data:
+                eof = True
+                break
+            self.inbox += data
+            read += len(data)
+        frames = self._split()
+        # Frames that arrived before the close are handed back first; the next call, reading
+        # the closed socket again, finds no frame and raises.
+        if eof and not frames:
+            raise ChannelClosed
+        return frames
+
+    def _split(self) -> list[Any]:
+        frames: list[Any] = []
+        view = memoryview(self.inbox)
+        pos = 0
+        try:
+            while len(view) - pos >= _HEADER.size:
+                (size,) = _HEADER.unpack_from(view, pos)
+                end = pos + _HEADER.size + size
+                if end > len(view):
+                    break
+                frames.append(pickle.loads(view[pos + _HEADER.size : end]))
+                pos = end
+        finally:
+            view.release()
+        if pos:
+            del self.inbox[:pos]
+        return frames
+
+    def take_fd(self) -> int:
+        return self.fds.popleft()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.sock.close()
+        while self.fds:
+            os.close(self.fds.popleft())
+
+
+class WorkerChannel:
+    """The worker's blocking end of its socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(True)
+        self.sock = sock
+        self.inbox = bytearray()
+
+    def send(self, message: Any, fds: list[int] | None = None) -> None:
+        frame = encode_frame(message)
+        if fds:
+            # The descriptors ride on the first byte of the frame.
+            sent = self.sock.sendmsg(
+                [frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+            )
+            if sent < len(frame):
+                self.sock.sendall(memoryview(frame)[sent:])
+        else:
+            self.sock.sendall(frame)
+
+    def has_frame(self) -> bool:
+        if len(self.inbox) < _HEADER.size:
+            return False
+        size: int = _HEADER.unpack_from(self.inbox, 0)[0]
+        return len(self.inbox) >= _HEADER.size + size
+
+    def fill(self, wait: bool) -> None:
+        """Read what is available (blocking for at least one byte when ``wait``).
+
+        Raises ChannelClosed when the parent's end is gone.
+        """
+        self.sock.setblocking(wait)
+        try:
+            data = self.sock.recv(_READ_CHUNK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except ConnectionResetError as exc:
+            raise ChannelClosed from exc
+        finally:
+            self.sock.setblocking(True)
+        if not data:
+            raise ChannelClosed
+        self.inbox += data
+
+    def pop(self) -> Any:
+        (size,) = _HEADER.unpack_from(self.inbox, 0)
+        end = _HEADER.size + size
+        message = pickle.loads(memoryview(self.inbox)[_HEADER.size : end])
+        del self.inbox[:end]
+        return message

@@ -1,0 +1,95 @@
+"""``num_workers=0``: batches are loaded in the calling process, as torch does.
+
+This is a stand-in for the worker pool with the interface the orchestrator uses, so both
+kinds of loading share one engine. Under ``async for`` the fetch runs in a thread of the
+caller's event loop (dataset code never runs on the loop itself); under ``for`` it runs directly
+on the private loop, which has nothing else to do.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import anyio
+
+from ._workers import Outcome, WorkerSpec
+
+__all__ = ["InlineSource"]
+
+
+class InlineSource:
+    num_workers = 1
+    broken: BaseException | None = None
+
+    def __init__(self, spec: WorkerSpec, offload: bool) -> None:
+        self.spec = spec
+        self.offload = offload
+        self.fetcher: Any = None
+        self.task: tuple[int, Any] | None = None
+        self.result: tuple[int, int, Outcome] | None = None
+        self.generation = 0
+
+    def begin_epoch(self, first: bool) -> int:
+        return self.generation
+
+    def submit(self, worker_id: int, task_id: int, indices: Any) -> None:
+        assert self.task is None, "one task at a time in the calling process"
+        self.task = (task_id, indices)
+
+    def flush(self) -> None:
+        pass
+
+    def check_usable(self) -> None:
+        pass
+
+    def check_health(self) -> None:
+        pass
+
+    def pid(self, worker_id: int) -> int | None:
+        return None
+
+    def poll(self) -> list[tuple[int, int, Outcome]]:
+        if self.result is None:
+            return []
+        result, self.result = self.result, None
+        return [result]
+
+    async def wait(self, deadline: float) -> None:
+        assert deadline == math.inf
+        if self.task is None:
+            return
+        if self.offload:
+            # Not abandoned on cancel: the fetch finishes (one batch at most) before the
+            # cancellation goes on, so two fetches never run at once on one dataset.
+            outcome = await anyio.to_thread.run_sync(self._fetch, self.task[1])
+        else:
+            outcome = self._fetch(self.task[1])
+        task_id = self.task[0]
+        self.task = None
+        self.result = (0, task_id, outcome)
+
+    def _fetch(self, indices: Any) -> Outcome:
+        spec = self.spec
+        try:
+            if self.fetcher is None:
+                from torch.utils.data.dataloader import _DatasetKind
+
+                self.fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
+                    spec.dataset_kind,
+                    spec.dataset,
+                    spec.auto_collation,
+                    spec.collate_fn,
+                    spec.drop_last,
+                )
+            return ("ok", self.fetcher.fetch(indices))
+        except StopIteration as exc:
+            if spec.dataset_kind == 1:
+                return ("end", None)
+            return ("raise", exc)
+        except Exception as exc:
+            # Raised as it is, with its own traceback, as torch does in this mode.
+            return ("raise", exc)
+
+    def close(self, grace: float = 0.0) -> None:
+        self.fetcher = None

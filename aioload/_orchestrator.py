@@ -1,0 +1,276 @@
+"""The async engine behind both iterators: dispatch, reorder, health, timeouts, shutdown.
+
+One Orchestrator serves one pass over the sampler. It is pure bookkeeping on the event loop: it
+sends ``(task_id, indices)`` to workers, keeps at most ``prefetch_factor * num_workers`` tasks
+between "sent" and "yielded", and hands batches out in task-id order (or as they complete, with
+``in_order=False``). It starts no tasks of its own: all of its work happens inside the
+consumer's ``await engine.next()``, so it needs no task group, cannot leak a background task,
+and is cancelled exactly when the consumer is.
+
+Worker assignment follows torch's DataLoader (round robin over active workers, and with
+``in_order=False`` a per-worker cap), so each index lands on the same worker id as it would under
+torch, and datasets with per-worker random augmentation produce the same batches.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+import warnings
+from collections import deque
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import anyio
+
+from ._workers import Outcome
+from .errors import DataLoaderTimeoutError
+
+__all__ = ["END", "Orchestrator"]
+
+
+class _End:
+    def __repr__(self) -> str:
+        return "END"
+
+
+END: Any = _End()
+
+
+class Source(Protocol):
+    """What the orchestrator needs from the worker pool (or from the in-process stand-in)."""
+
+    num_workers: int
+    broken: BaseException | None
+
+    def begin_epoch(self, first: bool) -> int: ...
+    def submit(self, worker_id: int, task_id: int, indices: Any) -> None: ...
+    def flush(self) -> None: ...
+    def poll(self) -> list[tuple[int, int, Outcome]]: ...
+    async def wait(self, deadline: float) -> None: ...
+    def check_health(self) -> None: ...
+    def pid(self, worker_id: int) -> int | None: ...
+    def close(self, grace: float = ...) -> None: ...
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        source: Source,
+        *,
+        sampler_iter: Iterator[Any],
+        prefetch: int,
+        in_order: bool,
+        timeout: float,
+        owns_source: bool,
+        first_epoch: bool,
+        iterable_len: int | None,
+        dataset: Any,
+        is_iterable: bool,
+    ) -> None:
+        self._source = source
+        self._sampler_iter = sampler_iter
+        self._num_workers = source.num_workers
+        self._capacity = prefetch * source.num_workers
+        self._in_order = in_order
+        self._timeout = timeout
+        self._owns_source = owns_source
+        self._iterable_len = iterable_len
+        self._dataset = dataset
+        self._is_iterable = is_iterable
+
+        self._send_idx = 0  # id of the next task to send
+        self._rcvd_idx = 0  # id of the next task to yield (in order)
+        # Tasks sent and not yet answered: task id -> (worker id, indices).
+        self._inflight: dict[int, tuple[int, Any]] = {}
+        # Answered, waiting for their turn (in order): task id -> (worker id, outcome).
+        self._reorder_buffer: dict[int, tuple[int, Outcome]] = {}
+        # Answered, in arrival order (in_order=False).
+        self._completed: deque[tuple[int, Outcome]] = deque()
+        # Tasks between "sent" and "yielded or skipped", the quantity prefetch bounds.
+        self._unyielded = 0
+        self._per_worker = [0] * self._num_workers
+        self._active = [True] * self._num_workers
+        self._worker_cycle = itertools.cycle(range(self._num_workers))
+        self._sampler_done = False
+        self._num_yielded = 0
+        self._fatal: BaseException | None = None
+        self._finished = False
+        self._closed = False
+        self._busy = False
+        self._source.begin_epoch(first_epoch)
+
+    # -- the one entry point -----------------------------------------------------------------
+
+    async def next(self) -> Any:
+        """The next batch, or END when the pass is over."""
+        if self._busy:
+            raise RuntimeError("aioload: this iterator is already waiting for a batch")
+        if self._fatal is not None:
+            raise self._fatal
+        if self._finished or self._closed:
+            return END
+        self._busy = True
+        try:
+            return await self._next()
+        finally:
+            self._busy = False
+
+    async def _next(self) -> Any:
+        deadline = time.monotonic() + self._timeout if self._timeout > 0 else math.inf
+        while True:
+            self._dispatch()
+            self._source.flush()
+            for worker_id, task_id, outcome in self._source.poll():
+                self._accept(worker_id, task_id, outcome)
+            if self._source.broken is not None:
+                self._fail(self._source.broken)
+            ready = self._pop_ready()
+            if ready is not None:
+                return self._deliver(ready)
+            if not self._inflight and (self._sampler_done or not any(self._active)):
+                self._finished = True
+                return END
+            if time.monotonic() >= deadline:
+                raise self._timeout_error()
+            await self._source.wait(deadline)
+            self._source.check_health()
+
+    # -- dispatch ----------------------------------------------------------------------------
+
+    def _pick_worker(self) -> int | None:
+        # torch's rule: the next active worker in the cycle; with in_order=False also one that
+        # holds fewer than its share of the prefetch budget.
+        active = sum(self._active)
+        for _ in range(self._num_workers):
+            worker_id = next(self._worker_cycle)
+            if self._active[worker_id] and (
+                self._in_order or self._per_worker[worker_id] < self._capacity // active
+            ):
+                return worker_id
+        return None
+
+    def _dispatch(self) -> None:
+        while not self._sampler_done and self._unyielded < self._capacity:
+            worker_id = self._pick_worker()
+            if worker_id is None:
+                return
+            try:
+                indices = next(self._sampler_iter)
+            except StopIteration:
+                self._sampler_done = True
+                return
+            task_id = self._send_idx
+            self._send_idx += 1
+            self._source.submit(worker_id, task_id, indices)
+            self._inflight[task_id] = (worker_id, indices)
+            self._per_worker[worker_id] += 1
+            self._unyielded += 1
+
+    # -- results -----------------------------------------------------------------------------
+
+    def _accept(self, worker_id: int, task_id: int, outcome: Outcome) -> None:
+        if self._inflight.pop(task_id, None) is None:
+            return
+        if outcome[0] == "end":
+            # This worker's IterableDataset copy has run dry for this epoch.
+            self._active[worker_id] = False
+        if self._in_order:
+            self._reorder_buffer[task_id] = (worker_id, outcome)
+        else:
+            self._completed.append((worker_id, outcome))
+
+    def _pop_ready(self) -> Outcome | None:
+        while True:
+            if self._in_order:
+                entry = self._reorder_buffer.pop(self._rcvd_idx, None)
+                if entry is None:
+                    return None
+                self._rcvd_idx += 1
+            else:
+                if not self._completed:
+                    return None
+                entry = self._completed.popleft()
+            worker_id, outcome = entry
+            self._unyielded -= 1
+            if outcome[0] == "end":
+                continue
+            self._per_worker[worker_id] -= 1
+            return outcome
+
+    def _deliver(self, outcome: Outcome) -> Any:
+        kind, value = outcome
+        if kind == "err":
+            # The epoch goes on after this if the caller catches it, as in torch.
+            value.reraise()
+        if kind == "raise":
+            raise value
+        self._num_yielded += 1
+        if self._iterable_len is not None and self._num_yielded > self._iterable_len:
+            warn_msg = (
+                f"Length of IterableDataset {self._dataset} was reported to be "
+                f"{self._iterable_len}(when accessing len(dataloader)), but "
+                f"{self._num_yielded} samples have been fetched. "
+            )
+            if self._source.pid(0) is not None:
+                warn_msg += (
+                    "For multiprocessing data-loading, this could be caused by not properly "
+                    "configuring the IterableDataset replica at each worker."
+                )
+            warnings.warn(warn_msg, stacklevel=4)
+        return value
+
+    # -- failures ----------------------------------------------------------------------------
+
+    def _timeout_error(self) -> DataLoaderTimeoutError:
+        message = f"DataLoader timed out after {self._timeout} seconds"
+        waiting = min(self._inflight) if self._inflight else None
+        if waiting is not None:
+            worker_id, indices = self._inflight[waiting]
+            message += (
+                f" (waiting for batch {waiting} from DataLoader worker {worker_id}, "
+                f"pid {self._source.pid(worker_id)}, holding indices {_short(indices)})"
+            )
+        return DataLoaderTimeoutError(message, timeout=self._timeout)
+
+    def _fail(self, error: BaseException) -> None:
+        # A dead worker ends the pass: its tasks cannot be answered. Shut the pool down now
+        # (a broken persistent pool too: the loader builds a fresh one next epoch).
+        self._fatal = error
+        self._closed = True
+        self._source.close()
+        raise error
+
+    # -- shutdown ----------------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def close(self) -> None:
+        """Release what this pass owns. Safe to call more than once, and from ``__del__``."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_source:
+            self._source.close()
+
+    async def aclose(self) -> None:
+        """``close`` without blocking the event loop: stopping workers may wait (boundedly) for
+        them to exit, so that wait runs in a thread. Shielded, so a cancelled caller still
+        leaves nothing behind."""
+        if self._closed:
+            return
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self.close)
+
+
+def _short(indices: Any, limit: int = 16) -> str:
+    try:
+        items = list(indices)
+    except TypeError:
+        return repr(indices)
+    if len(items) <= limit:
+        return repr(items)
+    return repr(items[:limit])[:-1] + f", ... ({len(items)} in all)]"

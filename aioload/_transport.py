@@ -1,0 +1,528 @@
+"""Shared-memory slabs and the encoding of nested batches into them.
+
+A *slab* is an anonymous memfd that a worker creates once and reuses for many batches. Its
+descriptor crosses to the parent once, as SCM_RIGHTS data on the frame of the first batch that
+uses it; both sides map it and close the descriptor at once. Three things follow:
+
+* There is no name in /dev/shm at any time, so a crash of the parent or a worker cannot leak
+  one: the memory is freed by the kernel when the last mapping goes away.
+* Neither side holds a descriptor per slab (mappings are made with libc's mmap through ctypes,
+  because Python 3.11's mmap module keeps a dup'd descriptor for every mapping), so a user who
+  keeps thousands of batches does not run out of descriptors.
+* Steady state is a reused, already-faulted mapping: no shm_open, mmap or page fault per batch.
+
+A batch travels as a pickle whose array leaves (tensors, numpy arrays) are replaced by
+persistent ids pointing into the slab. Everything else in the batch is pickled as usual, so any
+structure that pickles still works; only its arrays go faster.
+
+Lifetime. In the parent, every batch gets its own *lease*: a fresh numpy array over the used part
+of the slab. All tensors and arrays of the batch are views of the lease, so the lease dies exactly
+when the consumer's last reference into the batch dies. A weakref finalizer on the lease then
+queues the slab for return to its worker. Until then the worker never writes to that slab, so a
+batch the user keeps is never overwritten; a worker that needs a slab and has none free makes a
+new one (the pool grows) rather than waiting.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import mmap
+import os
+import pickle
+import weakref
+from collections.abc import Callable
+from typing import Any, cast
+
+import numpy as np
+import torch
+from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
+
+__all__ = [
+    "ALIGN",
+    "EncodedBatch",
+    "LeafDesc",
+    "SlabMappings",
+    "WorkerSlabPool",
+    "encode_batch",
+    "slab_collate",
+]
+
+ALIGN = 64
+_MIN_SLAB = 1 << 16
+_PAGE = mmap.PAGESIZE
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+# Array dtypes that can be reinterpreted from raw bytes. Anything else is pickled.
+_TORCH_DTYPES: frozenset[torch.dtype] = frozenset(
+    d
+    for d in (
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex32,
+        torch.complex64,
+        torch.complex128,
+        getattr(torch, "float8_e4m3fn", None),
+        getattr(torch, "float8_e5m2", None),
+    )
+    if d is not None
+)
+
+# ("t", offset, dtype, shape, strides-or-None) for tensors; ("n", ...) for numpy arrays.
+LeafDesc = tuple[str, int, Any, tuple[int, ...], tuple[int, ...] | None]
+
+
+# --------------------------------------------------------------------------------------------
+# Mappings
+# --------------------------------------------------------------------------------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map_fd(fd: int, size: int) -> ctypes.Array[ctypes.c_ubyte]:
+    """Map ``size`` bytes of ``fd`` shared and read-write. The mapping lives exactly as long as
+    the returned ctypes array (numpy and torch views keep it alive); the descriptor may be
+    closed as soon as this returns."""
+    addr = _libc.mmap(
+        None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_POPULATE, fd, 0
+    )
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"aioload: mmap of a {size}-byte slab failed: {os.strerror(err)}")
+    buf = (ctypes.c_ubyte * size).from_address(addr)
+    weakref.finalize(buf, _libc.munmap, addr, size)
+    return buf
+
+
+def _create_memfd(size: int) -> int:
+    fd = os.memfd_create("aioload-slab", os.MFD_CLOEXEC)
+    try:
+        # fallocate reserves the pages now, so running out of shared memory is a clean OSError
+        # here and not a SIGBUS on first touch.
+        os.posix_fallocate(fd, 0, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+# --------------------------------------------------------------------------------------------
+# Worker side
+# --------------------------------------------------------------------------------------------
+
+
+class _Slab:
+    __slots__ = ("capacity", "fd", "id", "ptr", "tensor")
+
+    def __init__(self, slab_id: int, capacity: int) -> None:
+        self.id = slab_id
+        self.capacity = capacity
+        self.fd: int | None = _create_memfd(capacity)
+        try:
+            buf = _map_fd(self.fd, capacity)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.tensor = torch.frombuffer(buf, dtype=torch.uint8)
+        self.ptr = self.tensor.data_ptr()
+
+    def take_fd(self) -> int | None:
+        """The descriptor, once: it is sent to the parent with the first batch."""
+        fd, self.fd = self.fd, None
+        return fd
+
+
+class _Arena:
+    """Bump allocation inside one slab while a batch is being collated."""
+
+    def __init__(self, slab: _Slab) -> None:
+        self.slab = slab
+        self.used = 0
+
+    def alloc(self, nbytes: int) -> int | None:
+        start = _round_up(self.used, ALIGN)
+        if start + nbytes > self.slab.capacity:
+            return None
+        self.used = start + nbytes
+        return start
+
+    def view(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.slab.tensor[offset : offset + nbytes].view(dtype)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        ptr = t.data_ptr()
+        return self.slab.ptr <= ptr < self.slab.ptr + self.slab.capacity
+
+
+class WorkerSlabPool:
+    """A worker's slabs: which are free, and how big the next batch probably is."""
+
+    def __init__(self, max_idle: int) -> None:
+        self.max_idle = max(1, max_idle)
+        self.slabs: dict[int, _Slab] = {}
+        self.free: list[int] = []
+        self.dropped: list[int] = []
+        self.expected = 0
+        self._next_id = 0
+
+    def acquire(self, min_bytes: int) -> _Slab:
+        """The smallest free slab that holds ``min_bytes``, or a new one."""
+        best: int | None = None
+        for pos, slab_id in enumerate(self.free):
+            cap = self.slabs[slab_id].capacity
+            if cap >= min_bytes and (best is None or cap < self.slabs[self.free[best]].capacity):
+                best = pos
+        if best is not None:
+            return self.slabs[self.free.pop(best)]
+        if len(self.free) >= self.max_idle:
+            # Every free slab is too small for today's batches: retire the smallest.
+            self.free.sort(key=lambda i: self.slabs[i].capacity)
+            self._destroy(self.free.pop(0))
+        capacity = _round_up(max(min_bytes, _MIN_SLAB), _PAGE)
+        slab = _Slab(self._next_id, capacity)
+        self._next_id += 1
+        self.slabs[slab.id] = slab
+        return slab
+
+    def release(self, slab_id: int) -> None:
+        if slab_id not in self.slabs:
+            return
+        self.free.append(slab_id)
+        while len(self.free) > self.max_idle:
+            self._destroy(self.free.pop(0))
+
+    def _destroy(self, slab_id: int) -> None:
+        slab = self.slabs.pop(slab_id)
+        fd = slab.take_fd()
+        if fd is not None:
+            os.close(fd)
+        self.dropped.append(slab_id)
+
+    def take_dropped(self) -> list[int]:
+        dropped, self.dropped = self.dropped, []
+        return dropped
+
+    def arena(self) -> _Arena | None:
+        if self.expected <= 0:
+            return None
+        return _Arena(self.acquire(self.expected))
+
+
+# The arena of the batch being collated in this worker, if any. Only the worker's main thread
+# collates, so a module global is enough.
+_current_arena: _Arena | None = None
+
+
+def _collate_tensor_into_slab(
+    batch: list[torch.Tensor], *, collate_fn_map: dict[Any, Callable[..., Any]] | None = None
+) -> torch.Tensor:
+    """torch's tensor collate, stacking straight into the slab so each sample is copied once.
+
+    torch's own ``collate_tensor_fn`` would, inside a worker, put every batch in a fresh shared
+    memory segment; this is the step aioload replaces.
+    """
+    elem = batch[0]
+    if elem.is_nested or elem.layout != torch.strided:
+        stacked: torch.Tensor = collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+        return stacked  # (torch raises its own error for these first)
+    arena = _current_arena
+    if (
+        arena is not None
+        and elem.dtype in _TORCH_DTYPES
+        and elem.device.type == "cpu"
+        and all(
+            type(t) is torch.Tensor
+            and t.dtype == elem.dtype
+            and t.device == elem.device
+            and not t.requires_grad
+            for t in batch
+        )
+    ):
+        shape = (len(batch), *elem.shape)
+        nbytes = elem.numel() * len(batch) * elem.element_size()
+        offset = arena.alloc(nbytes)
+        if offset is not None:
+            out = arena.view(offset, nbytes, elem.dtype).view(shape)
+            return torch.stack(batch, 0, out=out)
+    return torch.stack(batch, 0)
+
+
+_SLAB_COLLATE_MAP: dict[Any, Callable[..., Any]] = {
+    **default_collate_fn_map,
+    torch.Tensor: _collate_tensor_into_slab,
+}
+
+
+def slab_collate(batch: Any) -> Any:
+    """``default_collate`` with tensors stacked into the current slab."""
+    return collate(batch, collate_fn_map=_SLAB_COLLATE_MAP)
+
+
+class _LeafCollector(pickle.Pickler):
+    """Pickles a batch with its array leaves taken out (they go into the slab)."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.leaves: list[torch.Tensor | np.ndarray[Any, Any]] = []
+        self._seen: dict[int, int] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        kind = type(obj)
+        if kind is torch.Tensor:
+            if not (
+                obj.device.type == "cpu"
+                and obj.layout == torch.strided
+                and obj.dtype in _TORCH_DTYPES
+                and not obj.requires_grad
+                and not obj.is_quantized
+                and not obj.is_nested
+            ):
+                return None
+        elif kind is np.ndarray:
+            if obj.dtype.hasobject:
+                return None
+        else:
+            return None
+        key = id(obj)
+        index = self._seen.get(key)
+        if index is None:
+            index = self._seen[key] = len(self.leaves)
+            self.leaves.append(obj)
+        return index
+
+
+def _dense_strides(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether a strided layout covers exactly numel elements with no gaps or overlaps (any
+    permutation of a contiguous layout, e.g. channels_last)."""
+    dims = sorted((st, sz) for st, sz in zip(strides, shape, strict=True) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+class EncodedBatch:
+    """What crosses the pipe for one batch (the array bytes are already in the slab)."""
+
+    __slots__ = ("leaves", "new_slab", "payload", "slab", "used")
+
+    def __init__(self) -> None:
+        self.payload = b""
+        self.leaves: list[LeafDesc] = []
+        self.slab: _Slab | None = None
+        self.new_slab = False
+        self.used = 0
+
+
+def encode_batch(batch: Any, pool: WorkerSlabPool, arena: _Arena | None) -> EncodedBatch:
+    """Move the array leaves of ``batch`` into a slab and pickle the rest.
+
+    Leaves that the collate already stacked into ``arena`` stay where they are; others are
+    copied once. If the arena's slab is too small, every leaf moves to a bigger slab and the
+    pool remembers the size for the next batch, so the steady state copies each sample once.
+    """
+    buf = io.BytesIO()
+    pickler = _LeafCollector(buf)
+    pickler.dump(batch)
+    encoded = EncodedBatch()
+    encoded.payload = buf.getvalue()
+
+    prepared: list[tuple[Any, int, bool, tuple[int, ...] | None]] = []
+    extra = 0
+    total = 0
+    for leaf in pickler.leaves:
+        if isinstance(leaf, torch.Tensor):
+            if leaf.is_conj() or leaf.is_neg():
+                leaf = leaf.resolve_conj().resolve_neg()
+            shape = tuple(leaf.shape)
+            if leaf.is_contiguous():
+                strides: tuple[int, ...] | None = None
+            elif _dense_strides(shape, tuple(leaf.stride())):
+                strides = tuple(leaf.stride())
+            else:
+                leaf = leaf.contiguous()
+                strides = None
+            nbytes = leaf.numel() * leaf.element_size()
+            in_arena = arena is not None and strides is None and nbytes > 0 and arena.holds(leaf)
+        else:
+            if leaf.flags.c_contiguous:
+                strides = None
+            elif _dense_strides(leaf.shape, tuple(s // leaf.itemsize for s in leaf.strides)):
+                strides = tuple(leaf.strides)
+            else:
+                leaf = np.ascontiguousarray(leaf)
+                strides = None
+            nbytes = leaf.nbytes
+            in_arena = False
+        prepared.append((leaf, nbytes, in_arena, strides))
+        total += _round_up(nbytes, ALIGN)
+        if not in_arena:
+            extra += _round_up(nbytes, ALIGN)
+
+    if total == 0:
+        if arena is not None:
+            pool.release(arena.slab.id)
+        encoded.leaves = [_describe(leaf, 0, strides) for leaf, _, _, strides in prepared]
+        return encoded
+
+    if arena is not None and _round_up(arena.used, ALIGN) + extra <= arena.slab.capacity:
+        target = arena
+    else:
+        if arena is not None:
+            pool.release(arena.slab.id)
+        target = _Arena(pool.acquire(total))
+        prepared = [(leaf, nbytes, False, strides) for leaf, nbytes, _, strides in prepared]
+
+    for leaf, nbytes, in_arena, strides in prepared:
+        if in_arena:
+            offset = leaf.data_ptr() - target.slab.ptr
+        else:
+            got = target.alloc(nbytes)
+            assert got is not None, "slab sized for the batch ran out of room"
+            offset = got
+            _copy_into(target, offset, nbytes, leaf, strides)
+        encoded.leaves.append(_describe(leaf, offset, strides))
+
+    pool.expected = max(pool.expected, target.used)
+    encoded.slab = target.slab
+    encoded.used = target.used
+    encoded.new_slab = target.slab.fd is not None
+    return encoded
+
+
+def _describe(leaf: Any, offset: int, strides: tuple[int, ...] | None) -> LeafDesc:
+    if isinstance(leaf, torch.Tensor):
+        return ("t", offset, leaf.dtype, tuple(leaf.shape), strides)
+    return ("n", offset, leaf.dtype, tuple(leaf.shape), strides)
+
+
+def _copy_into(
+    arena: _Arena, offset: int, nbytes: int, leaf: Any, strides: tuple[int, ...] | None
+) -> None:
+    if nbytes == 0:
+        return
+    raw = arena.slab.tensor[offset : offset + nbytes]
+    if isinstance(leaf, torch.Tensor):
+        dst = raw.view(leaf.dtype)
+        dst = dst.as_strided(leaf.shape, strides) if strides is not None else dst.view(leaf.shape)
+        dst.copy_(leaf)
+    else:
+        flat = raw.numpy().view(leaf.dtype)
+        if strides is not None:
+            dst_np = np.lib.stride_tricks.as_strided(flat, leaf.shape, strides)
+        else:
+            dst_np = flat.reshape(leaf.shape)
+        np.copyto(dst_np, leaf, casting="no")
+
+
+# --------------------------------------------------------------------------------------------
+# Parent side
+# --------------------------------------------------------------------------------------------
+
+
+class _LeafLoader(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, leaves: list[Any]) -> None:
+        super().__init__(file)
+        self.leaves = leaves
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self.leaves[pid]
+
+
+class SlabMappings:
+    """The parent's mappings of one worker's slabs."""
+
+    def __init__(self) -> None:
+        self.maps: dict[int, np.ndarray[Any, np.dtype[np.uint8]]] = {}
+
+    def add(self, slab_id: int, fd: int, capacity: int) -> None:
+        try:
+            buf = _map_fd(fd, capacity)
+        finally:
+            os.close(fd)
+        self.maps[slab_id] = np.frombuffer(cast(Any, buf), dtype=np.uint8)
+
+    def drop(self, slab_ids: list[int]) -> None:
+        # Dropping our reference unmaps the slab once no lease of it is alive any more.
+        for slab_id in slab_ids:
+            self.maps.pop(slab_id, None)
+
+    def clear(self) -> None:
+        self.maps.clear()
+
+    def decode(
+        self,
+        slab_id: int,
+        used: int,
+        payload: bytes,
+        descs: list[LeafDesc],
+        on_release: Callable[[int], None],
+    ) -> Any:
+        leaves: list[Any] = []
+        if slab_id >= 0:
+            lease = self.maps[slab_id][:used]
+            # When the last view of this batch dies, the slab goes back to its worker.
+            weakref.finalize(lease, on_release, slab_id)
+            lease_t: torch.Tensor | None = None
+            for kind, offset, dtype, shape, strides in descs:
+                if kind == "t":
+                    if lease_t is None:
+                        lease_t = torch.from_numpy(lease)
+                    nbytes = _numel(shape) * dtype.itemsize
+                    flat = lease_t[offset : offset + nbytes].view(dtype)
+                    leaves.append(
+                        flat.as_strided(shape, strides) if strides is not None else flat.view(shape)
+                    )
+                else:
+                    nbytes = _numel(shape) * dtype.itemsize
+                    flat_np = lease[offset : offset + nbytes].view(dtype)
+                    leaves.append(
+                        np.lib.stride_tricks.as_strided(flat_np, shape, strides)
+                        if strides is not None
+                        else flat_np.reshape(shape)
+                    )
+            del lease, lease_t
+        else:
+            # Every array leaf is empty: nothing was put in a slab.
+            for kind, _offset, dtype, shape, _strides in descs:
+                if kind == "t":
+                    leaves.append(torch.empty(shape, dtype=dtype))
+                else:
+                    leaves.append(np.empty(shape, dtype=dtype))
+        return _LeafLoader(io.BytesIO(payload), leaves).load()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

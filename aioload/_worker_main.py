@@ -1,0 +1,310 @@
+"""Code that runs inside a worker process.
+
+A worker is a loop over its socket: it reads index tasks, fetches and collates them with torch's
+own fetchers, puts the batch in a shared-memory slab and answers with a small frame. Every task
+gets exactly one answer ("ok", "pickled", "err" or "end"), which keeps the parent's bookkeeping
+simple: a task is in flight until its answer arrives or its worker dies.
+
+The worker never outlives its parent. It waits for work in ``poll`` with a one-second bound; a
+closed socket (the parent exited, was killed, or shut us down) ends it at once, and a changed
+parent pid ends it within a second even if something else still holds the parent's end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import random
+import select
+import signal
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data._utils.worker as torch_worker
+from torch._utils import ExceptionWrapper, KeyErrorMessage
+from torch.utils.data._utils.worker import _generate_state
+
+from . import _transport
+from ._channel import ChannelClosed, WorkerChannel
+from .errors import WorkerError
+
+__all__ = ["RemoteError", "WorkerConfig", "WorkerInfo", "get_worker_info", "worker_main"]
+
+_PARENT_CHECK_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo(torch_worker.WorkerInfo):
+    """Information about the current aioload worker process.
+
+    A subclass of torch's WorkerInfo with the same fields (``id``, ``num_workers``, ``seed``,
+    ``dataset``); inside an aioload worker, ``torch.utils.data.get_worker_info()`` returns the
+    same object, so datasets that shard themselves by worker work unchanged.
+    """
+
+
+_worker_info: WorkerInfo | None = None
+
+
+def get_worker_info() -> WorkerInfo | None:
+    """The current worker's WorkerInfo inside an aioload worker process, None elsewhere."""
+    return _worker_info
+
+
+class RemoteError(ExceptionWrapper):
+    """An exception captured in a worker, re-raised in the consumer.
+
+    As torch does, the consumer gets the original exception type with the worker id and the
+    worker's traceback in its message. Where that type cannot be built from a message, torch
+    raises a bare RuntimeError; we raise WorkerError (a RuntimeError) with the same message.
+    """
+
+    def __init__(self, worker_id: int) -> None:
+        super().__init__(where=f"in DataLoader worker process {worker_id}")  # type: ignore[no-untyped-call]
+        self.worker_id = worker_id
+
+    def reraise(self) -> None:
+        exc_type: Any = self.exc_type
+        msg: str = f"Caught {exc_type.__name__} {self.where}.\nOriginal {self.exc_msg}"
+        if exc_type is KeyError:
+            msg = KeyErrorMessage(msg)
+        elif getattr(exc_type, "message", None):
+            raise exc_type(message=msg)
+        try:
+            exception = exc_type(msg)
+        except Exception:
+            raise WorkerError(msg, worker_id=self.worker_id) from None
+        raise exception
+
+
+@dataclass
+class WorkerConfig:
+    worker_id: int
+    num_workers: int
+    base_seed: int
+    generation: int
+    dataset_kind: int
+    auto_collation: bool
+    drop_last: bool
+    # (dataset, collate_fn, worker_init_fn): the objects themselves under fork, or their pickle,
+    # made once in the parent and shared by every worker, under spawn and forkserver.
+    payload: tuple[Any, Any, Any] | bytes
+    slab_collate: bool
+    max_idle_slabs: int
+
+
+def _set_worker_info(info: WorkerInfo) -> None:
+    global _worker_info
+    _worker_info = info
+    # torch.utils.data.get_worker_info() reads this module global.
+    torch_worker._worker_info = info
+
+
+def _seed(base_seed: int, worker_id: int) -> int:
+    # The same seeds torch's own workers use, so random augmentations match torch's loader.
+    seed = base_seed + worker_id
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(_generate_state(base_seed, worker_id))  # type: ignore[no-untyped-call]
+    return seed
+
+
+def worker_main(config: WorkerConfig, sock: Any, inherited_fds: list[int]) -> None:
+    # Under fork we inherit the parent's ends of other workers' sockets. Holding them would keep
+    # those workers from seeing EOF when the parent dies, so close them first.
+    for fd in inherited_fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    # Ctrl-C goes to the whole process group; the parent decides what it means and stops us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)
+    channel = WorkerChannel(sock)
+    # ChannelClosed and friends: the parent is gone or shut us down.
+    with contextlib.suppress(ChannelClosed, BrokenPipeError, ConnectionResetError):
+        _Worker(config, channel).run()
+
+
+class _Worker:
+    def __init__(self, config: WorkerConfig, channel: WorkerChannel) -> None:
+        self.config = config
+        self.channel = channel
+        self.pool = _transport.WorkerSlabPool(config.max_idle_slabs)
+        self.generation = config.generation
+        self.pending: deque[Any] = deque()
+        self.fetcher: Any = None
+        self.init_error: RemoteError | None = None
+        self.iteration_end = False
+        self.parent_pid = os.getppid()
+        self.poller = select.poll()
+        self.poller.register(channel.sock.fileno(), select.POLLIN)
+
+        wid = config.worker_id
+        seed = _seed(config.base_seed, wid)
+        try:
+            payload = config.payload
+            objects = pickle.loads(payload) if isinstance(payload, bytes) else payload
+            self.dataset, collate_fn, init_fn = objects
+            if config.slab_collate:
+                collate_fn = _transport.slab_collate
+            self.collate_fn = collate_fn
+            _set_worker_info(
+                WorkerInfo(id=wid, num_workers=config.num_workers, seed=seed, dataset=self.dataset)
+            )
+            if init_fn is not None:
+                init_fn(wid)
+            self._new_fetcher()
+        except Exception:
+            # Reported as the answer to every task this worker gets, so it reaches the consumer.
+            self.init_error = RemoteError(wid)
+
+    def _new_fetcher(self) -> None:
+        from torch.utils.data.dataloader import _DatasetKind
+
+        self.fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
+            self.config.dataset_kind,
+            self.dataset,
+            self.config.auto_collation,
+            self.collate_fn,
+            self.config.drop_last,
+        )
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def _next_message(self) -> Any:
+        while not self.pending:
+            while not self.channel.has_frame():
+                if not self.poller.poll(int(_PARENT_CHECK_S * 1000)):
+                    if os.getppid() != self.parent_pid:
+                        raise ChannelClosed
+                    continue
+                self.channel.fill(wait=False)
+            self._absorb(self.channel.pop())
+        return self.pending.popleft()
+
+    def _drain(self) -> None:
+        """Take in what the parent has already sent, without waiting: slabs it freed since the
+        current task was sent are then reused instead of growing the pool, and a newer epoch
+        already announced lets us skip tasks that nobody waits for any more."""
+        self.channel.fill(wait=False)
+        while self.channel.has_frame():
+            self._absorb(self.channel.pop())
+
+    def _absorb(self, message: Any) -> None:
+        kind = message[0]
+        if kind == "free":
+            for slab_id in message[1]:
+                self.pool.release(slab_id)
+        else:
+            if kind == "reset":
+                self.generation = max(self.generation, message[1])
+            self.pending.append(message)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        while True:
+            message = self._next_message()
+            kind = message[0]
+            if kind == "task":
+                _, task_id, generation, indices = message
+                self._drain()
+                if generation < self.generation:
+                    continue  # a task of an epoch the parent has already left
+                self._run_task(task_id, generation, indices)
+            elif kind == "reset":
+                if message[1] >= self.generation and self.init_error is None:
+                    self.iteration_end = False
+                    try:
+                        self._new_fetcher()
+                    except Exception:
+                        self.init_error = RemoteError(self.config.worker_id)
+            elif kind == "stop":
+                return
+
+    def _run_task(self, task_id: int, generation: int, indices: Any) -> None:
+        wid = self.config.worker_id
+        if self.init_error is not None:
+            self._send(("err", task_id, generation, self.init_error))
+            return
+        if self.iteration_end:
+            self._send(("end", task_id, generation))
+            return
+        arena = None
+        try:
+            if self.config.slab_collate:
+                arena = self.pool.arena()
+            _transport._current_arena = arena
+            try:
+                data = self.fetcher.fetch(indices)
+            finally:
+                _transport._current_arena = None
+        except StopIteration:
+            if arena is not None:
+                self.pool.release(arena.slab.id)
+            if self.config.dataset_kind != 1:  # only an IterableDataset may run dry
+                self._send(("err", task_id, generation, RemoteError(wid)))
+                return
+            self.iteration_end = True
+            self._send(("end", task_id, generation))
+            return
+        except Exception:
+            if arena is not None:
+                self.pool.release(arena.slab.id)
+            self._send(("err", task_id, generation, RemoteError(wid)))
+            return
+        self._send_batch(task_id, generation, data, arena)
+
+    def _send_batch(self, task_id: int, generation: int, data: Any, arena: Any) -> None:
+        try:
+            encoded = _transport.encode_batch(data, self.pool, arena)
+        except OSError:
+            # No shared memory to be had (e.g. /dev/shm or the memory cgroup is full): send the
+            # batch by value instead. Slower, never wrong.
+            if arena is not None:
+                self.pool.release(arena.slab.id)
+            try:
+                payload = pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception:
+                self._send(("err", task_id, generation, RemoteError(self.config.worker_id)))
+                return
+            self._send(("pickled", task_id, generation, payload))
+            return
+        except Exception:
+            # Typically an unpicklable sample.
+            if arena is not None:
+                self.pool.release(arena.slab.id)
+            self._send(("err", task_id, generation, RemoteError(self.config.worker_id)))
+            return
+        slab = encoded.slab
+        fds: list[int] = []
+        capacity = 0
+        if slab is not None and encoded.new_slab:
+            fd = slab.take_fd()
+            assert fd is not None
+            fds.append(fd)
+            capacity = slab.capacity
+        try:
+            self._send(
+                (
+                    "ok",
+                    task_id,
+                    generation,
+                    -1 if slab is None else slab.id,
+                    capacity,
+                    encoded.used,
+                    encoded.payload,
+                    encoded.leaves,
+                ),
+                fds,
+            )
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _send(self, message: tuple[Any, ...], fds: list[int] | None = None) -> None:
+        # Slabs this worker retired ride along, so the parent can unmap them too.
+        self.channel.send((*message, self.pool.take_dropped()), fds)

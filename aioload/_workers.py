@@ -1,0 +1,366 @@
+"""The worker process pool: start, pipes, results, death detection and shutdown.
+
+Everything the orchestrator waits on goes through one selector (epoll on Linux): each worker's
+socket and each worker's process sentinel, which becomes readable when the process exits. The
+selector's own descriptor is what the event loop waits on, through ``anyio.wait_readable``, so
+one await covers every worker under asyncio, uvloop and trio alike, and nothing runs detached:
+between two awaits of the consumer, no aioload code runs at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import multiprocessing.connection
+import pickle
+import selectors
+import signal
+import socket
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from ._channel import ChannelClosed, ParentChannel
+from ._transport import SlabMappings
+from ._worker_main import WorkerConfig, worker_main
+from .errors import WorkerDiedError
+
+__all__ = ["Outcome", "WorkerPool"]
+
+# How long shutdown waits for workers to leave by themselves before it kills them. An idle
+# worker leaves within a millisecond of seeing its socket close; only one that is busy inside
+# a slow __getitem__ can need the kill.
+SHUTDOWN_GRACE_S = 0.5
+# Upper bound of one wait on the selector, so that a failure no descriptor reports (in practice,
+# none is known) is still noticed.
+_HEALTH_CHECK_S = 1.0
+
+# Parent ends of every pool's sockets in this process. A forked worker closes the ones it
+# inherits (see worker_main).
+_parent_fds: weakref.WeakSet[ParentChannel] = weakref.WeakSet()
+
+# What a task produced: ("ok", batch), ("err", RemoteError) or ("end", None) when an
+# IterableDataset worker has run dry.
+Outcome = tuple[str, Any]
+
+
+@dataclass
+class WorkerSpec:
+    dataset: Any
+    dataset_kind: int
+    auto_collation: bool
+    collate_fn: Any
+    drop_last: bool
+    worker_init_fn: Any
+    num_workers: int
+    prefetch_factor: int
+    multiprocessing_context: Any
+    slab_collate: bool
+
+
+class _Worker:
+    """The parent's handle on one worker process."""
+
+    def __init__(self, worker_id: int, process: Any, channel: ParentChannel) -> None:
+        self.worker_id = worker_id
+        self.process = process
+        self.pid: int | None = process.pid
+        self.channel = channel
+        self.mappings = SlabMappings()
+        self.exited = False
+
+
+def _describe_exit(worker: _Worker) -> tuple[str, int | None]:
+    code = worker.process.exitcode
+    pid = worker.pid
+    if code is not None and code < 0:
+        signum = -code
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        text = signal.strsignal(signum) or name
+        return f"DataLoader worker (pid {pid}) is killed by signal: {text} ({name}).", code
+    return f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {code}.", code
+
+
+class WorkerPool:
+    """``num_workers`` processes, each with its own socket, serving index tasks."""
+
+    def __init__(self, spec: WorkerSpec, base_seed: int) -> None:
+        self.spec = spec
+        self.num_workers = spec.num_workers
+        self.base_seed = base_seed
+        self.generation = 0
+        self.closed = False
+        self.broken: BaseException | None = None
+        self.workers: list[_Worker] = []
+        # Slabs whose batch the consumer has let go of, from any thread (a lease dies wherever
+        # its last reference is dropped, often inside the garbage collector). deque.append is
+        # atomic, and the queue is drained only on the orchestrator's side.
+        self.releases: deque[tuple[int, int]] = deque()
+        self.selector = selectors.DefaultSelector()
+        self._release_cb: dict[int, Callable[[int], None]] = {}
+        self._start()
+
+    # -- start -------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        spec = self.spec
+        ctx = spec.multiprocessing_context or multiprocessing.get_context()
+        forking = ctx.get_start_method() == "fork"
+        objects = (spec.dataset, spec.collate_fn, spec.worker_init_fn)
+        # Under spawn and forkserver the dataset is pickled here once and the same bytes go to
+        # every worker; under fork the workers inherit it and nothing is pickled at all.
+        payload: tuple[Any, Any, Any] | bytes = (
+            objects if forking else pickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
+        )
+        try:
+            for worker_id in range(self.num_workers):
+                parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                channel = ParentChannel(parent_sock)
+                # Registered before the fork, so that this worker also closes its inherited copy
+                # of our end: holding it, the worker would never see EOF from us.
+                _parent_fds.add(channel)
+                config = WorkerConfig(
+                    worker_id=worker_id,
+                    num_workers=self.num_workers,
+                    base_seed=self.base_seed,
+                    generation=self.generation,
+                    dataset_kind=spec.dataset_kind,
+                    auto_collation=spec.auto_collation,
+                    drop_last=spec.drop_last,
+                    payload=payload,
+                    slab_collate=spec.slab_collate,
+                    max_idle_slabs=spec.prefetch_factor + 1,
+                )
+                inherited = (
+                    [c.fileno() for c in _parent_fds if not c.closed] + [self.selector.fileno()]
+                    if forking
+                    else []
+                )
+                process = ctx.Process(
+                    target=worker_main,
+                    args=(config, child_sock, inherited),
+                    name=f"aioload-worker-{worker_id}",
+                    daemon=True,
+                )
+                try:
+                    # start() does not wait for the worker to initialise, so workers come up
+                    # concurrently.
+                    process.start()
+                finally:
+                    # Our copy of the child's end must go, or the child's death would not
+                    # close its socket.
+                    child_sock.close()
+                worker = _Worker(worker_id, process, channel)
+                self.workers.append(worker)
+                self.selector.register(channel.sock, selectors.EVENT_READ, (worker, "sock"))
+                self.selector.register(process.sentinel, selectors.EVENT_READ, (worker, "exit"))
+                self._release_cb[worker_id] = self._make_release(worker_id)
+        except BaseException:
+            self.close(grace=0.0)
+            raise
+
+    def _make_release(self, worker_id: int) -> Callable[[int], None]:
+        releases = self.releases
+
+        def release(slab_id: int) -> None:
+            releases.append((worker_id, slab_id))
+
+        return release
+
+    # -- tasks -------------------------------------------------------------------------------
+
+    def begin_epoch(self, first: bool) -> int:
+        """Start a new generation. Answers to tasks of older generations are dropped, and
+        IterableDataset workers re-create their iterator."""
+        self.check_usable()
+        if not first:
+            self.generation += 1
+            for worker in self.workers:
+                self._queue(worker, ("reset", self.generation))
+        self.flush()
+        return self.generation
+
+    def submit(self, worker_id: int, task_id: int, indices: Any) -> None:
+        self._queue(self.workers[worker_id], ("task", task_id, self.generation, indices))
+
+    def _queue(self, worker: _Worker, message: Any) -> None:
+        worker.channel.queue(message)
+
+    def flush(self) -> None:
+        """Return freed slabs to their workers and write what fits of every outbox."""
+        if self.releases:
+            freed: dict[int, list[int]] = {}
+            while self.releases:
+                worker_id, slab_id = self.releases.popleft()
+                freed.setdefault(worker_id, []).append(slab_id)
+            for worker_id, slab_ids in freed.items():
+                worker = self.workers[worker_id]
+                if not worker.exited and not worker.channel.closed:
+                    worker.channel.queue(("free", slab_ids))
+        for worker in self.workers:
+            if worker.channel.outbox and not worker.channel.closed:
+                # A closed channel's death is reported through its sentinel.
+                with contextlib.suppress(ChannelClosed):
+                    worker.channel.pump_out()
+                self._watch_writable(worker)
+
+    def _watch_writable(self, worker: _Worker) -> None:
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if worker.channel.outbox else 0)
+        with contextlib.suppress(KeyError, ValueError):
+            key = self.selector.get_key(worker.channel.sock)
+            if key.events != events:
+                self.selector.modify(worker.channel.sock, events, key.data)
+
+    # -- results -----------------------------------------------------------------------------
+
+    def poll(self) -> list[tuple[int, int, Outcome]]:
+        """Everything that has arrived, without waiting: (worker_id, task_id, outcome)."""
+        results: list[tuple[int, int, Outcome]] = []
+        dead: list[_Worker] = []
+        for key, mask in self.selector.select(0):
+            worker, what = key.data
+            if what == "exit":
+                dead.append(worker)
+                continue
+            if mask & selectors.EVENT_WRITE:
+                with contextlib.suppress(ChannelClosed):
+                    worker.channel.pump_out()
+                self._watch_writable(worker)
+            if mask & selectors.EVENT_READ:
+                self._read(worker, results)
+        for worker in dead:
+            # Answers the worker sent before it died are still good: take them first.
+            self._read(worker, results)
+            self._on_death(worker)
+        return results
+
+    def _read(self, worker: _Worker, results: list[tuple[int, int, Outcome]]) -> None:
+        if worker.channel.closed:
+            return
+        try:
+            frames = worker.channel.pump_in()
+        except ChannelClosed:
+            # The worker is exiting; its sentinel reports how.
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(worker.channel.sock)
+            return
+        for frame in frames:
+            outcome = self._decode(worker, frame)
+            if outcome is not None:
+                results.append((worker.worker_id, frame[1], outcome))
+
+    def _decode(self, worker: _Worker, frame: tuple[Any, ...]) -> Outcome | None:
+        kind, _task_id, generation = frame[0], frame[1], frame[2]
+        worker.mappings.drop(frame[-1])
+        if kind == "ok":
+            slab_id, capacity, used, payload, leaves = frame[3:8]
+            if capacity:
+                worker.mappings.add(slab_id, worker.channel.take_fd(), capacity)
+            if generation != self.generation:
+                if slab_id >= 0:
+                    self.releases.append((worker.worker_id, slab_id))
+                return None
+            batch = worker.mappings.decode(
+                slab_id, used, payload, leaves, self._release_cb[worker.worker_id]
+            )
+            return ("ok", batch)
+        if generation != self.generation:
+            return None
+        if kind == "pickled":
+            return ("ok", pickle.loads(frame[3]))
+        if kind == "err":
+            return ("err", frame[3])
+        if kind == "end":
+            return ("end", None)
+        raise AssertionError(f"unknown frame from worker: {kind!r}")
+
+    def _on_death(self, worker: _Worker) -> None:
+        if worker.exited:
+            return
+        worker.exited = True
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(worker.process.sentinel)
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(worker.channel.sock)
+        worker.process.join(timeout=0)
+        if self.closed:
+            return
+        message, code = _describe_exit(worker)
+        self.broken = WorkerDiedError(
+            message, worker_id=worker.worker_id, pid=worker.pid, exitcode=code
+        )
+
+    def check_usable(self) -> None:
+        if self.broken is not None:
+            raise self.broken
+        if self.closed:
+            raise RuntimeError("aioload: the worker pool has been shut down")
+
+    async def wait(self, deadline: float) -> None:
+        """Wait until something may have arrived, a worker exited, or ``deadline`` (in
+        ``time.monotonic()`` seconds; ``math.inf`` for none) passes."""
+        budget = min(deadline - time.monotonic(), _HEALTH_CHECK_S)
+        if budget <= 0:
+            return
+        with anyio.move_on_after(budget):
+            await anyio.wait_readable(self.selector.fileno())
+
+    def check_health(self) -> None:
+        """Catch a worker that exited without its sentinel being seen yet."""
+        for worker in self.workers:
+            if not worker.exited and worker.process.exitcode is not None:
+                results: list[tuple[int, int, Outcome]] = []
+                self._read(worker, results)
+                self._on_death(worker)
+
+    # -- shutdown ----------------------------------------------------------------------------
+
+    def close(self, grace: float = SHUTDOWN_GRACE_S) -> None:
+        """Stop every worker and release every resource. Bounded: at most ``grace`` seconds
+        of waiting, then SIGKILL. Safe to call twice, from a finalizer, or after a fork."""
+        if self.closed:
+            return
+        self.closed = True
+        # 1. Close our ends first. An idle worker sees EOF in its poll() and leaves at once; a
+        #    busy one gets EPIPE on its next answer. No "stop" message is needed, and none can
+        #    get stuck behind a full socket.
+        for worker in self.workers:
+            _parent_fds.discard(worker.channel)
+            worker.channel.close()
+        # 2. Give them ``grace`` seconds to leave on their own, waiting on all sentinels at once.
+        pending = [w for w in self.workers if w.process.exitcode is None]
+        deadline = time.monotonic() + grace
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            multiprocessing.connection.wait([w.process.sentinel for w in pending], timeout=left)
+            pending = [w for w in pending if w.process.exitcode is None]
+        # 3. Whoever is still there is stuck in user code: kill it. SIGKILL cannot be caught, so
+        #    the join below is bounded.
+        for worker in pending:
+            with contextlib.suppress(ProcessLookupError, OSError, ValueError):
+                worker.process.kill()
+        for worker in self.workers:
+            with contextlib.suppress(ValueError, AssertionError):
+                worker.process.join(timeout=5.0)
+                # Process.close() releases the sentinel descriptor now rather than at GC.
+                worker.process.close()
+            worker.exited = True
+        # 4. Unmapping our side happens as leases die: a batch the user still holds stays valid.
+        for worker in self.workers:
+            worker.mappings.clear()
+        with contextlib.suppress(Exception):
+            self.selector.close()
+        self.releases.clear()
+
+    def pid(self, worker_id: int) -> int | None:
+        return self.workers[worker_id].pid

@@ -1,0 +1,54 @@
+"""Errors aioload raises in the consumer.
+
+The messages that torch users grep for are kept word for word:
+``DataLoader worker (pid N) is killed by signal: ...``,
+``DataLoader worker (pid N) exited unexpectedly with exit code N`` and
+``DataLoader timed out after N seconds``. Each class subclasses RuntimeError, which is what torch
+raises in the same situations, so existing ``except RuntimeError`` handlers keep working.
+"""
+
+from __future__ import annotations
+
+__all__ = ["DataLoaderTimeoutError", "LoaderError", "WorkerDiedError", "WorkerError"]
+
+
+class LoaderError(RuntimeError):
+    """Base class of the errors aioload raises itself."""
+
+
+class WorkerError(LoaderError):
+    """An exception from dataset or collate code in a worker that could not be re-created with
+    its original type (for instance because its constructor takes extra arguments).
+
+    Exceptions that can be re-created are re-raised with their original type instead, with the
+    worker id and the worker's traceback in the message, as torch does.
+    """
+
+    def __init__(self, message: str, *, worker_id: int | None = None) -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
+
+
+class WorkerDiedError(LoaderError):
+    """A worker process ended while the loader still needed it."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        worker_id: int,
+        pid: int | None,
+        exitcode: int | None,
+    ) -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
+        self.pid = pid
+        self.exitcode = exitcode
+
+
+class DataLoaderTimeoutError(LoaderError):
+    """No batch arrived within the loader's ``timeout``."""
+
+    def __init__(self, message: str, *, timeout: float) -> None:
+        super().__init__(message)
+        self.timeout = timeout

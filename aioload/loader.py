@@ -1,0 +1,233 @@
+"""aioload.DataLoader: torch's DataLoader, with an asyncio engine behind both iterators."""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from typing import Any, Generic, TypeVar
+
+import torch
+import torch.utils.data
+from torch.utils.data import Dataset, IterableDataset, Sampler
+from torch.utils.data._utils.collate import default_collate
+
+from . import _sync
+from ._inline import InlineSource
+from ._orchestrator import END, Orchestrator
+from ._workers import WorkerPool, WorkerSpec
+
+__all__ = ["DataLoader"]
+
+T_co = TypeVar("T_co", covariant=True)
+
+
+class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
+    """A drop-in replacement for :class:`torch.utils.data.DataLoader`.
+
+    Same arguments, defaults, validation and results as torch's loader (it is a subclass, so
+    ``isinstance(loader, torch.utils.data.DataLoader)`` holds), plus ``async for``::
+
+        loader = aioload.DataLoader(ds, batch_size=64, num_workers=8)
+        for batch in loader: ...          # classic scripts
+        async for batch in loader: ...    # asyncio, uvloop or trio
+
+    Workers are processes fed over one socket each; batches come back through reused
+    shared-memory slabs and reach the consumer without a copy.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[T_co],
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Sampler[Any] | Iterable[Any] | None = None,
+        batch_sampler: Sampler[list[Any]] | Iterable[list[Any]] | None = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+    ) -> None:
+        # torch validates every argument, with its own messages, and builds the samplers.
+        super().__init__(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            drop_last=drop_last,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            generator=generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            in_order=in_order,
+        )
+        if self.prefetch_factor == 0 and self.num_workers > 0:
+            # torch accepts 0 here and then fails inside its iterator; fail early and clearly.
+            raise ValueError("prefetch_factor option should be positive when num_workers > 0")
+        self._persistent_pool: WorkerPool | None = None
+        self._persistent_engine: weakref.ReferenceType[Orchestrator] | None = None
+
+    # -- the two doors -----------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        return _SyncIterator(self._engine(offload_inline=False), len_fn=self.__len__)
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return _AsyncIterator(self._engine(offload_inline=True))
+
+    # -- one engine --------------------------------------------------------------------------
+
+    def _spec(self) -> WorkerSpec:
+        return WorkerSpec(
+            dataset=self.dataset,
+            dataset_kind=self._dataset_kind,
+            auto_collation=self._auto_collation,
+            collate_fn=self.collate_fn,
+            drop_last=self.drop_last,
+            worker_init_fn=self.worker_init_fn,
+            num_workers=self.num_workers,
+            prefetch_factor=self.prefetch_factor or 1,
+            multiprocessing_context=self.multiprocessing_context,
+            # Stack straight into the shared-memory slab when the collate is torch's default.
+            slab_collate=self.collate_fn is default_collate,
+        )
+
+    def _draw_base_seed(self) -> int:
+        # Exactly torch's draw, at the same point (after iter(sampler), before any sampling),
+        # so a loader built with the same generator or global seed sees the same sequence.
+        return int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
+
+    def _engine(self, offload_inline: bool) -> Orchestrator:
+        if self.pin_memory and not torch.accelerator.is_available():
+            warnings.warn(
+                "'pin_memory' argument is set as true but no accelerator is found, "
+                "then device pinned memory won't be used.",
+                stacklevel=3,
+            )
+        sampler_iter = iter(self._index_sampler)
+        first_epoch = True
+        source: Any
+        if self.num_workers == 0:
+            if self.timeout != 0:
+                raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
+            self._draw_base_seed()
+            source = InlineSource(self._spec(), offload=offload_inline)
+            owns = True
+        elif self.persistent_workers:
+            # One pool for the loader's lifetime; a pass that is still open is superseded.
+            previous = self._persistent_engine() if self._persistent_engine else None
+            if previous is not None:
+                previous.close()
+            pool = self._persistent_pool
+            if pool is None or pool.closed or pool.broken is not None:
+                if pool is not None:
+                    pool.close()
+                pool = WorkerPool(self._spec(), self._draw_base_seed())
+                self._persistent_pool = pool
+                # The workers die with the loader (or at interpreter exit), not with a pass.
+                weakref.finalize(self, pool.close)
+            else:
+                first_epoch = False
+            source = pool
+            owns = False
+        else:
+            source = WorkerPool(self._spec(), self._draw_base_seed())
+            owns = True
+        engine = Orchestrator(
+            source,
+            sampler_iter=sampler_iter,
+            prefetch=self.prefetch_factor or 1,
+            in_order=self.in_order,
+            timeout=self.timeout,
+            owns_source=owns,
+            first_epoch=first_epoch,
+            iterable_len=self._IterableDataset_len_called,
+            dataset=self.dataset,
+            is_iterable=isinstance(self.dataset, IterableDataset),
+        )
+        if owns:
+            # Also on garbage collection of an abandoned pass (``break``, ``del``) and at exit.
+            weakref.finalize(engine, source.close)
+        else:
+            self._persistent_engine = weakref.ref(engine)
+        return engine
+
+    def shutdown(self) -> None:
+        """Stop persistent workers now rather than when the loader is collected."""
+        if self._persistent_pool is not None:
+            self._persistent_pool.close()
+            self._persistent_pool = None
+
+
+class _SyncIterator:
+    """``for batch in loader``: each step runs the orchestrator on a private event loop."""
+
+    def __init__(self, engine: Orchestrator, len_fn: Callable[[], int]) -> None:
+        self._engine = engine
+        self._len_fn = len_fn
+
+    def __iter__(self) -> _SyncIterator:
+        return self
+
+    def __next__(self) -> Any:
+        batch = _sync.run(self._engine.next())
+        if batch is END:
+            self._engine.close()
+            raise StopIteration
+        return batch
+
+    def __len__(self) -> int:
+        return self._len_fn()
+
+    def close(self) -> None:
+        """Stop this pass's workers now (``del`` or garbage collection does it too)."""
+        self._engine.close()
+
+    def __del__(self) -> None:
+        self._engine.close()
+
+
+class _AsyncIterator:
+    """``async for batch in loader``: the orchestrator runs on the caller's own loop."""
+
+    def __init__(self, engine: Orchestrator) -> None:
+        self._engine = engine
+
+    def __aiter__(self) -> _AsyncIterator:
+        return self
+
+    async def __anext__(self) -> Any:
+        batch = await self._engine.next()
+        if batch is END:
+            await self._engine.aclose()
+            raise StopAsyncIteration
+        return batch
+
+    async def aclose(self) -> None:
+        """Stop this pass's workers without blocking the loop."""
+        await self._engine.aclose()
+
+    async def __aenter__(self) -> _AsyncIterator:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        self._engine.close()

@@ -1,0 +1,58 @@
+"""Shared fixtures: leak checks that every test which starts workers runs under."""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from aioload import _sync
+
+
+def _children() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children(recursive=True) if p.is_running()]
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except FileNotFoundError:
+        return set()
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def _nothing() -> None:
+    return None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_private_loop() -> None:
+    """The sync iterator's private event loop is made once per thread and kept (its epoll,
+    eventfd and pipes are not a leak); make it before any test counts descriptors."""
+    _sync.run(_nothing())
+
+
+@pytest.fixture
+def no_leaks() -> Iterator[None]:
+    """Fails the test if it leaves worker processes, descriptors or /dev/shm entries behind."""
+    gc.collect()
+    shm_before = _shm_entries()
+    fds_before = _fds()
+    yield
+    gc.collect()
+    deadline = 50
+    while _children() and deadline:
+        psutil.wait_procs(_children(), timeout=0.1)
+        deadline -= 1
+    leftover = _children()
+    assert not leftover, f"worker processes left behind: {[p.pid for p in leftover]}"
+    assert _shm_entries() - shm_before == set(), "new /dev/shm entries left behind"
+    # A few descriptors may be opened lazily by libraries (e.g. anyio's thread pool, uvloop);
+    # a leak of worker sockets or slabs would show as many more.
+    assert _fds() - fds_before <= 4, f"descriptor growth: {fds_before} -> {_fds()}"
