@@ -19,7 +19,7 @@ import math
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import anyio
@@ -38,6 +38,14 @@ class _End:
 END: Any = _End()
 
 
+class _NotStarted:
+    num_workers = 0
+    broken = None
+
+    def close(self, grace: float = 0.0) -> None:
+        pass
+
+
 class Source(Protocol):
     """What the orchestrator needs from the worker pool (or from the in-process stand-in)."""
 
@@ -54,10 +62,26 @@ class Source(Protocol):
     def close(self, grace: float = ...) -> None: ...
 
 
+_NOT_STARTED: Any = _NotStarted()
+
+
+class OwnedSource:
+    """The source an orchestrator must close. A finalizer holds this, not the orchestrator, so
+    an abandoned pass (``break``, ``del``) is still cleaned up when it is collected."""
+
+    def __init__(self) -> None:
+        self.source: Source | None = None
+
+    def close(self) -> None:
+        source, self.source = self.source, None
+        if source is not None:
+            source.close()
+
+
 class Orchestrator:
     def __init__(
         self,
-        source: Source,
+        source: Callable[[], Source],
         *,
         sampler_iter: Iterator[Any],
         prefetch: int,
@@ -68,11 +92,20 @@ class Orchestrator:
         iterable_len: int | None,
         dataset: Any,
         is_iterable: bool,
+        num_workers: int,
+        offload_start: bool,
     ) -> None:
-        self._source = source
+        # The source (worker pool) is built on the first next(): under ``async for`` that runs
+        # in a thread, because forking workers takes milliseconds each and must not hold the
+        # caller's event loop.
+        self._make_source = source
+        self.owned = OwnedSource()
+        self._source: Source = _NOT_STARTED
+        self._offload_start = offload_start
+        self._first_epoch = first_epoch
         self._sampler_iter = sampler_iter
-        self._num_workers = source.num_workers
-        self._capacity = prefetch * source.num_workers
+        self._num_workers = num_workers
+        self._capacity = prefetch * num_workers
         self._in_order = in_order
         self._timeout = timeout
         self._owns_source = owns_source
@@ -99,7 +132,6 @@ class Orchestrator:
         self._finished = False
         self._closed = False
         self._busy = False
-        self._source.begin_epoch(first_epoch)
 
     # -- the one entry point -----------------------------------------------------------------
 
@@ -117,7 +149,27 @@ class Orchestrator:
         finally:
             self._busy = False
 
+    async def _start(self) -> None:
+        if self._offload_start:
+            with anyio.CancelScope(shield=True):
+                # Shielded: a pool half-made when a cancellation arrives would be orphaned.
+                source = await anyio.to_thread.run_sync(self._make_source)
+        else:
+            source = self._make_source()
+        self._source = source
+        if self._owns_source:
+            self.owned.source = source
+        if self._closed:
+            # Closed while it was starting (a cancelled, then abandoned iterator).
+            self._close_source()
+            return
+        source.begin_epoch(self._first_epoch)
+
     async def _next(self) -> Any:
+        if self._source is _NOT_STARTED:
+            await self._start()
+            if self._closed:
+                return END
         deadline = time.monotonic() + self._timeout if self._timeout > 0 else math.inf
         while True:
             self._dispatch()
@@ -253,8 +305,10 @@ class Orchestrator:
         if self._closed:
             return
         self._closed = True
-        if self._owns_source:
-            self._source.close()
+        self._close_source()
+
+    def _close_source(self) -> None:
+        self.owned.close()
 
     async def aclose(self) -> None:
         """``close`` without blocking the event loop: stopping workers may wait (boundedly) for

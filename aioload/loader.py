@@ -120,37 +120,55 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 "then device pinned memory won't be used.",
                 stacklevel=3,
             )
+        # torch's order of RNG use: iter(sampler), then the base seed, then sampling.
         sampler_iter = iter(self._index_sampler)
         first_epoch = True
-        source: Any
+        spec = self._spec()
+        make_source: Callable[[], Any]
         if self.num_workers == 0:
             if self.timeout != 0:
                 raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
             self._draw_base_seed()
-            source = InlineSource(self._spec(), offload=offload_inline)
             owns = True
+
+            def make_source() -> Any:
+                return InlineSource(spec, offload=offload_inline)
+
         elif self.persistent_workers:
             # One pool for the loader's lifetime; a pass that is still open is superseded.
             previous = self._persistent_engine() if self._persistent_engine else None
             if previous is not None:
                 previous.close()
+            owns = False
             pool = self._persistent_pool
-            if pool is None or pool.closed or pool.broken is not None:
+            if pool is not None and not pool.closed and pool.broken is None:
+                first_epoch = False
+
+                def make_source() -> Any:
+                    return pool
+
+            else:
                 if pool is not None:
                     pool.close()
-                pool = WorkerPool(self._spec(), self._draw_base_seed())
-                self._persistent_pool = pool
-                # The workers die with the loader (or at interpreter exit), not with a pass.
-                weakref.finalize(self, pool.close)
-            else:
-                first_epoch = False
-            source = pool
-            owns = False
+                    self._persistent_pool = None
+                base_seed = self._draw_base_seed()
+
+                def make_source() -> Any:
+                    new_pool = WorkerPool(spec, base_seed)
+                    self._persistent_pool = new_pool
+                    # The workers die with the loader (or at interpreter exit), not with a pass.
+                    weakref.finalize(self, new_pool.close)
+                    return new_pool
+
         else:
-            source = WorkerPool(self._spec(), self._draw_base_seed())
+            base_seed = self._draw_base_seed()
             owns = True
+
+            def make_source() -> Any:
+                return WorkerPool(spec, base_seed)
+
         engine = Orchestrator(
-            source,
+            make_source,
             sampler_iter=sampler_iter,
             prefetch=self.prefetch_factor or 1,
             in_order=self.in_order,
@@ -160,10 +178,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             iterable_len=self._IterableDataset_len_called,
             dataset=self.dataset,
             is_iterable=isinstance(self.dataset, IterableDataset),
+            num_workers=max(1, self.num_workers),
+            offload_start=offload_inline and self.num_workers > 0,
         )
         if owns:
             # Also on garbage collection of an abandoned pass (``break``, ``del``) and at exit.
-            weakref.finalize(engine, source.close)
+            weakref.finalize(engine, engine.owned.close)
         else:
             self._persistent_engine = weakref.ref(engine)
         return engine

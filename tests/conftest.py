@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 from collections.abc import Iterator
@@ -34,8 +35,14 @@ async def _nothing() -> None:
 @pytest.fixture(scope="session", autouse=True)
 def _warm_private_loop() -> None:
     """The sync iterator's private event loop is made once per thread and kept (its epoll,
-    eventfd and pipes are not a leak); make it before any test counts descriptors."""
+    eventfd and pipes are not a leak); make it before any test counts descriptors. Likewise the
+    helper thread's loop, used when sync iteration happens inside a running loop."""
     _sync.run(_nothing())
+
+    async def inside_a_loop() -> None:
+        _sync.run(_nothing())
+
+    asyncio.run(inside_a_loop())
 
 
 @pytest.fixture
