@@ -27,7 +27,7 @@ import anyio
 from ._workers import Outcome
 from .errors import DataLoaderTimeoutError
 
-__all__ = ["END", "Orchestrator"]
+__all__ = ["END", "PENDING", "Orchestrator"]
 
 
 class _End:
@@ -36,6 +36,7 @@ class _End:
 
 
 END: Any = _End()
+PENDING: Any = object()
 
 
 class _NotStarted:
@@ -135,6 +136,36 @@ class Orchestrator:
 
     # -- the one entry point -----------------------------------------------------------------
 
+    def step(self) -> Any:
+        """Everything that can be done without waiting: send tasks, take in answers, and
+        return the next batch if it is already here, END if the pass is over, or PENDING.
+
+        ``next`` is this plus waiting. The sync front end calls it first, and enters its event
+        loop only when it really has to wait: with workers prefetching, most batches are
+        already here.
+        """
+        if self._busy:
+            raise RuntimeError("aioload: this iterator is already waiting for a batch")
+        if self._fatal is not None:
+            raise self._fatal
+        if self._finished or self._closed:
+            return END
+        if self._source is _NOT_STARTED:
+            return PENDING
+        self._dispatch()
+        self._source.flush()
+        for worker_id, task_id, outcome in self._source.poll():
+            self._accept(worker_id, task_id, outcome)
+        if self._source.broken is not None:
+            self._fail(self._source.broken)
+        ready = self._pop_ready()
+        if ready is not None:
+            return self._deliver(ready)
+        if not self._inflight and (self._sampler_done or not any(self._active)):
+            self._finished = True
+            return END
+        return PENDING
+
     async def next(self) -> Any:
         """The next batch, or END when the pass is over."""
         if self._busy:
@@ -145,9 +176,25 @@ class Orchestrator:
             return END
         self._busy = True
         try:
-            return await self._next()
+            if self._source is _NOT_STARTED:
+                await self._start()
+                if self._closed:
+                    return END
         finally:
             self._busy = False
+        deadline = time.monotonic() + self._timeout if self._timeout > 0 else math.inf
+        while True:
+            result = self.step()
+            if result is not PENDING:
+                return result
+            if time.monotonic() >= deadline:
+                raise self._timeout_error()
+            self._busy = True
+            try:
+                await self._source.wait(deadline)
+                self._source.check_health()
+            finally:
+                self._busy = False
 
     async def _start(self) -> None:
         if self._offload_start:
@@ -164,30 +211,6 @@ class Orchestrator:
             self._close_source()
             return
         source.begin_epoch(self._first_epoch)
-
-    async def _next(self) -> Any:
-        if self._source is _NOT_STARTED:
-            await self._start()
-            if self._closed:
-                return END
-        deadline = time.monotonic() + self._timeout if self._timeout > 0 else math.inf
-        while True:
-            self._dispatch()
-            self._source.flush()
-            for worker_id, task_id, outcome in self._source.poll():
-                self._accept(worker_id, task_id, outcome)
-            if self._source.broken is not None:
-                self._fail(self._source.broken)
-            ready = self._pop_ready()
-            if ready is not None:
-                return self._deliver(ready)
-            if not self._inflight and (self._sampler_done or not any(self._active)):
-                self._finished = True
-                return END
-            if time.monotonic() >= deadline:
-                raise self._timeout_error()
-            await self._source.wait(deadline)
-            self._source.check_health()
 
     # -- dispatch ----------------------------------------------------------------------------
 

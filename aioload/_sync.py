@@ -1,12 +1,12 @@
 """The sync front end's event loop.
 
 ``for batch in loader`` drives the same orchestrator as ``async for``, on a private event loop
-(uvloop when installed). One loop per thread is made once and reused, so a batch costs one
-``Runner.run`` and no loop set-up.
+(uvloop when installed). One loop per thread is made once and reused, so no step pays for
+setting a loop up.
 
-``asyncio.Runner.run`` is used rather than ``run_until_complete`` for what it does with Ctrl-C:
-on the main thread it turns SIGINT into a cancellation of the step, so KeyboardInterrupt reaches
-the caller with the orchestrator's state consistent and its shutdown able to run.
+Most steps never enter the loop at all: the front end first calls ``Orchestrator.step()``,
+which returns a batch that has already arrived without waiting. Only a step that must wait runs
+here, as one task on the loop.
 
 A thread that already runs an event loop (a Jupyter cell, or sync iteration inside a coroutine)
 cannot run a second one. There the steps go to one helper thread with its own loop, and the
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -59,12 +60,12 @@ class _LoopThread:
             raise
 
 
-def _runner() -> asyncio.Runner:
-    runner: asyncio.Runner | None = getattr(_local, "runner", None)
-    if runner is None:
-        runner = asyncio.Runner(loop_factory=_loop_factory())
-        _local.runner = runner
-    return runner
+def _loop() -> asyncio.AbstractEventLoop:
+    loop: asyncio.AbstractEventLoop | None = getattr(_local, "loop", None)
+    if loop is None or loop.is_closed():
+        loop = _loop_factory()()
+        _local.loop = loop
+    return loop
 
 
 async def _into(box: list[Any], coro: Coroutine[Any, Any, Any]) -> None:
@@ -76,15 +77,27 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        # The batch comes back through ``box``, not as the task's result: on Python 3.11,
-        # Runner.run ends with signal.getsignal(), which formats a ValueError holding repr() of
-        # its SIGINT handler, whose repr includes the task and so its result. With a batch as
-        # the result that repr formats every tensor in it, costing milliseconds per batch.
-        box: list[T] = []
-        _runner().run(_into(box, coro))
-        return box[0]
-    global _helper
-    with _helper_lock:
-        if _helper is None:
-            _helper = _LoopThread()
-    return _helper.run(coro)
+        pass
+    else:
+        global _helper
+        with _helper_lock:
+            if _helper is None:
+                _helper = _LoopThread()
+        return _helper.run(coro)
+    loop = _loop()
+    # The batch comes back through ``box`` rather than as the task's result, so that nothing
+    # that formats the task (asyncio does, in some debug and error paths) formats a whole batch.
+    box: list[T] = []
+    task = loop.create_task(_into(box, coro))
+    try:
+        loop.run_until_complete(task)
+    except BaseException:
+        # Ctrl-C (KeyboardInterrupt raised from the signal handler while the loop ran) or any
+        # other escape: cancel the step and let it unwind, so the orchestrator's state is
+        # consistent and its shutdown can run, then re-raise. This is what asyncio.Runner
+        # does, without its per-call cost of installing a SIGINT handler (~25 us a step).
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            loop.run_until_complete(task)
+        raise
+    return box[0]

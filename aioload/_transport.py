@@ -50,6 +50,9 @@ __all__ = [
 
 ALIGN = 64
 _MIN_SLAB = 1 << 16
+# Below this, stacking into the slab saves less than checking every sample costs; such small
+# batches are stacked as usual and copied into the slab when encoded.
+_ARENA_MIN_BYTES = 1 << 16
 _PAGE = mmap.PAGESIZE
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
@@ -253,8 +256,10 @@ def _collate_tensor_into_slab(
         stacked: torch.Tensor = collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
         return stacked  # (torch raises its own error for these first)
     arena = _current_arena
+    nbytes = elem.numel() * len(batch) * elem.element_size()
     if (
         arena is not None
+        and nbytes >= _ARENA_MIN_BYTES
         and elem.dtype in _TORCH_DTYPES
         and elem.device.type == "cpu"
         and all(
@@ -266,7 +271,6 @@ def _collate_tensor_into_slab(
         )
     ):
         shape = (len(batch), *elem.shape)
-        nbytes = elem.numel() * len(batch) * elem.element_size()
         offset = arena.alloc(nbytes)
         if offset is not None:
             out = arena.view(offset, nbytes, elem.dtype).view(shape)

@@ -14,7 +14,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from . import _sync
 from ._inline import InlineSource
-from ._orchestrator import END, Orchestrator
+from ._orchestrator import END, PENDING, Orchestrator
 from ._workers import WorkerPool, WorkerSpec
 
 __all__ = ["DataLoader"]
@@ -206,7 +206,9 @@ class _SyncIterator:
         return self
 
     def __next__(self) -> Any:
-        batch = _sync.run(self._engine.next())
+        batch = self._engine.step()
+        if batch is PENDING:
+            batch = _sync.run(self._engine.next())
         if batch is END:
             self._engine.close()
             raise StopIteration
