@@ -1,0 +1,54 @@
+"""Ctrl-C in the consumer: KeyboardInterrupt reaches the caller and no worker survives."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+SCRIPT = Path(__file__).parent / "scripts" / "interrupted.py"
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigint_in_consumer(mode: str) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("workers"), line + (proc.stderr.read() if proc.stderr else "")
+        workers = [int(pid) for pid in line.split()[1:]]
+        assert len(workers) == 2
+        time.sleep(0.2)  # well inside the epoch, waiting on slow samples
+        started = time.monotonic()
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=10)
+        assert time.monotonic() - started < 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "interrupted" in out, err
+    assert "KeyboardInterrupt" in err
+    assert proc.returncode != 0
+    _, alive = psutil.wait_procs([p for p in map(_proc, workers) if p is not None], timeout=5)
+    assert not alive, f"workers outlived an interrupted consumer: {[p.pid for p in alive]}"
+
+
+def _proc(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None
