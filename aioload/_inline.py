@@ -29,6 +29,7 @@ class InlineSource:
         self.task: tuple[int, Any] | None = None
         self.result: tuple[int, int, Outcome] | None = None
         self.generation = 0
+        self.watched: int | None = None
 
     def begin_epoch(self, first: bool) -> int:
         return self.generation
@@ -49,6 +50,9 @@ class InlineSource:
     def pid(self, worker_id: int) -> int | None:
         return None
 
+    def watch(self, fd: int) -> None:
+        self.watched = fd
+
     def poll(self) -> list[tuple[int, int, Outcome]]:
         if self.result is None:
             return []
@@ -58,6 +62,9 @@ class InlineSource:
     async def wait(self, deadline: float) -> None:
         assert deadline == math.inf
         if self.task is None:
+            if self.watched is not None:
+                # Only the pin stage has work: wait for it.
+                await anyio.wait_readable(self.watched)
             return
         if self.offload:
             # Not abandoned on cancel: the fetch finishes (one batch at most) before the

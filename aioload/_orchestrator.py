@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import anyio
 
+from ._pinning import PinStage, Transfer
 from ._workers import Outcome
 from .errors import DataLoaderTimeoutError
 
@@ -60,20 +61,27 @@ class Source(Protocol):
     async def wait(self, deadline: float) -> None: ...
     def check_health(self) -> None: ...
     def pid(self, worker_id: int) -> int | None: ...
+    def watch(self, fd: int) -> None: ...
     def close(self, grace: float = ...) -> None: ...
 
 
 _NOT_STARTED: Any = _NotStarted()
 
 
-class OwnedSource:
-    """The source an orchestrator must close. A finalizer holds this, not the orchestrator, so
-    an abandoned pass (``break``, ``del``) is still cleaned up when it is collected."""
+class PassResources:
+    """What one pass must release: its pin stage, and its source when it owns it. A finalizer
+    holds this, not the orchestrator, so an abandoned pass (``break``, ``del``) is still
+    cleaned up when it is collected."""
 
     def __init__(self) -> None:
         self.source: Source | None = None
+        self.stage: PinStage | None = None
 
     def close(self) -> None:
+        # The stage first: it may be working on a batch, and nothing after it needs it.
+        stage, self.stage = self.stage, None
+        if stage is not None:
+            stage.close()
         source, self.source = self.source, None
         if source is not None:
             source.close()
@@ -95,13 +103,17 @@ class Orchestrator:
         is_iterable: bool,
         num_workers: int,
         offload_start: bool,
+        transfer: Transfer | None = None,
     ) -> None:
         # The source (worker pool) is built on the first next(): under ``async for`` that runs
         # in a thread, because forking workers takes milliseconds each and must not hold the
         # caller's event loop.
         self._make_source = source
-        self.owned = OwnedSource()
+        self.owned = PassResources()
         self._source: Source = _NOT_STARTED
+        self._transfer = transfer
+        self._stage: PinStage | None = None
+        self._prefetch = prefetch
         self._offload_start = offload_start
         self._first_epoch = first_epoch
         self._sampler_iter = sampler_iter
@@ -158,9 +170,23 @@ class Orchestrator:
             self._accept(worker_id, task_id, outcome)
         if self._source.broken is not None:
             self._fail(self._source.broken)
-        ready = self._pop_ready()
-        if ready is not None:
-            return self._deliver(ready)
+        stage = self._stage
+        if stage is None:
+            ready = self._pop_ready()
+            if ready is not None:
+                return self._deliver(ready)
+        else:
+            stage.drain_wake()
+            while stage.has_room():
+                ready = self._pop_ready()
+                if ready is None:
+                    break
+                stage.submit(ready)
+            staged = stage.take()
+            if staged is not None:
+                return self._deliver(staged)
+            if stage.pending:
+                return PENDING
         if not self._inflight and (self._sampler_done or not any(self._active)):
             self._finished = True
             return END
@@ -206,6 +232,10 @@ class Orchestrator:
         self._source = source
         if self._owns_source:
             self.owned.source = source
+        if self._transfer is not None:
+            self._stage = PinStage(self._transfer, depth=self._prefetch)
+            self.owned.stage = self._stage
+            source.watch(self._stage.wake_r)
         if self._closed:
             # Closed while it was starting (a cancelled, then abandoned iterator).
             self._close_source()
@@ -314,6 +344,7 @@ class Orchestrator:
         # (a broken persistent pool too: the loader builds a fresh one next epoch).
         self._fatal = error
         self._closed = True
+        self._close_source()
         self._source.close()
         raise error
 
@@ -332,6 +363,7 @@ class Orchestrator:
 
     def _close_source(self) -> None:
         self.owned.close()
+        self._stage = None
 
     async def aclose(self) -> None:
         """``close`` without blocking the event loop: stopping workers may wait (boundedly) for

@@ -106,6 +106,7 @@ class WorkerPool:
         self.releases: deque[tuple[int, int]] = deque()
         self.selector = selectors.DefaultSelector()
         self._release_cb: dict[int, Callable[[int], None]] = {}
+        self._watched: list[int] = []
         self._start()
 
     # -- start -------------------------------------------------------------------------------
@@ -178,9 +179,14 @@ class WorkerPool:
     # -- tasks -------------------------------------------------------------------------------
 
     def begin_epoch(self, first: bool) -> int:
-        """Start a new generation. Answers to tasks of older generations are dropped, and
+        """Start a new generation (a new pass over the sampler). Answers to tasks of older generations are dropped, and
         IterableDataset workers re-create their iterator."""
         self.check_usable()
+        # A previous pass's pin stage pipe, if any, is closed by now: forget it.
+        for fd in self._watched:
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self.selector.unregister(fd)
+        self._watched.clear()
         if not first:
             self.generation += 1
             for worker in self.workers:
@@ -227,6 +233,8 @@ class WorkerPool:
         dead: list[_Worker] = []
         for key, mask in self.selector.select(0):
             worker, what = key.data
+            if what == "wake":
+                continue  # its owner drains it
             if what == "exit":
                 dead.append(worker)
                 continue
@@ -361,6 +369,11 @@ class WorkerPool:
         with contextlib.suppress(Exception):
             self.selector.close()
         self.releases.clear()
+
+    def watch(self, fd: int) -> None:
+        """Also wake the orchestrator when ``fd`` becomes readable (the pin stage's pipe)."""
+        self.selector.register(fd, selectors.EVENT_READ, (None, "wake"))
+        self._watched.append(fd)
 
     def pid(self, worker_id: int) -> int | None:
         return self.workers[worker_id].pid

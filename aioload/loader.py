@@ -15,6 +15,7 @@ from torch.utils.data._utils.collate import default_collate
 from . import _sync
 from ._inline import InlineSource
 from ._orchestrator import END, PENDING, Orchestrator
+from ._pinning import Transfer, make_transfer
 from ._workers import WorkerPool, WorkerSpec
 
 __all__ = ["DataLoader"]
@@ -56,6 +57,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
+        device: str | torch.device | None = None,
     ) -> None:
         # torch validates every argument, with its own messages, and builds the samplers.
         super().__init__(
@@ -80,6 +82,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         if self.prefetch_factor == 0 and self.num_workers > 0:
             # torch accepts 0 here and then fails inside its iterator; fail early and clearly.
             raise ValueError("prefetch_factor option should be positive when num_workers > 0")
+        self.device = _check_device(device)
         self._persistent_pool: WorkerPool | None = None
         self._persistent_engine: weakref.ReferenceType[Orchestrator] | None = None
 
@@ -113,13 +116,24 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         # so a loader built with the same generator or global seed sees the same sequence.
         return int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
 
-    def _engine(self, offload_inline: bool) -> Orchestrator:
+    def _transfer(self) -> Transfer | None:
+        """The pin / host-to-device stage this pass needs, if any (torch's warnings kept)."""
+        if self.pin_memory and self.pin_memory_device:
+            warnings.warn(
+                "pin_memory_device is deprecated, the current accelerator will be used as the "
+                f"device,ignore pin_memory_device='{self.pin_memory_device}'.",
+                stacklevel=4,
+            )
         if self.pin_memory and not torch.accelerator.is_available():
             warnings.warn(
                 "'pin_memory' argument is set as true but no accelerator is found, "
                 "then device pinned memory won't be used.",
-                stacklevel=3,
+                stacklevel=4,
             )
+        return make_transfer(self.pin_memory, self.device)
+
+    def _engine(self, offload_inline: bool) -> Orchestrator:
+        transfer = self._transfer()
         # torch's order of RNG use: iter(sampler), then the base seed, then sampling.
         sampler_iter = iter(self._index_sampler)
         first_epoch = True
@@ -180,6 +194,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             is_iterable=isinstance(self.dataset, IterableDataset),
             num_workers=max(1, self.num_workers),
             offload_start=offload_inline and self.num_workers > 0,
+            transfer=transfer,
         )
         if owns:
             # Also on garbage collection of an abandoned pass (``break``, ``del``) and at exit.
@@ -193,6 +208,36 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         if self._persistent_pool is not None:
             self._persistent_pool.close()
             self._persistent_pool = None
+
+
+def _check_device(device: str | torch.device | None) -> torch.device | None:
+    """Validate ``device`` now, with a clear error, rather than in the middle of a pass."""
+    if device is None:
+        return None
+    resolved = torch.device(device)
+    if resolved.type == "cpu":
+        return None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"aioload: device={str(device)!r} needs CUDA, but torch.cuda.is_available() is "
+                "False (no GPU, or a CPU-only build of torch). Use device=None for CPU batches."
+            )
+        if resolved.index is None:
+            resolved = torch.device("cuda", torch.cuda.current_device())
+        elif resolved.index >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"aioload: device={str(device)!r} does not exist: "
+                f"{torch.cuda.device_count()} CUDA device(s) are visible."
+            )
+        return resolved
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None or accelerator.type != resolved.type:
+        raise RuntimeError(
+            f"aioload: device={str(device)!r} is not available here "
+            f"(current accelerator: {accelerator})."
+        )
+    return resolved
 
 
 class _SyncIterator:

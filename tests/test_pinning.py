@@ -1,0 +1,250 @@
+"""The pin / host-to-device stage, on CPU.
+
+No accelerator here, so the stage's thread, ordering, errors and shutdown are driven through a
+CPU Transfer swapped in for the real one (``aioload.loader.make_transfer``). The CUDA path
+itself is covered by tests/gpu/, which run where a GPU is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+import aioload
+import aioload.loader
+from aioload._pinning import PinTransfer, Transfer, make_transfer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Numbers(Dataset[torch.Tensor]):
+    def __init__(self, n: int = 40, delay: float = 0.0) -> None:
+        self.n = n
+        self.delay = delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.delay:
+            time.sleep(self.delay)
+        return torch.tensor([i, -i])
+
+
+class Marking(Transfer):
+    """Stands in for pin + copy: clones the batch, notes the thread and how deep the stage
+    got, and can fail on a chosen batch."""
+
+    def __init__(self, fail_on: int | None = None, delay: float = 0.0) -> None:
+        self.threads: set[str] = set()
+        self.setup_thread: str | None = None
+        self.fail_on = fail_on
+        self.delay = delay
+        self.active = 0
+        self.seen = 0
+        self.lock = threading.Lock()
+
+    def setup(self) -> None:
+        self.setup_thread = threading.current_thread().name
+
+    def run(self, batch: Any) -> Any:
+        self.threads.add(threading.current_thread().name)
+        if self.delay:
+            time.sleep(self.delay)
+        first = int(batch[0, 0])
+        if self.fail_on is not None and first == self.fail_on:
+            raise ValueError(f"transfer failed on batch starting at {first}")
+        self.seen += 1
+        return ("moved", batch.clone())
+
+    def handover(self, result: Any) -> Any:
+        tag, batch = result
+        assert tag == "moved"
+        return batch
+
+
+@pytest.fixture
+def marking(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Marking]]:
+    made: list[Marking] = []
+    holder: dict[str, Any] = {}
+
+    def fake(pin_memory: bool, device: torch.device | None) -> Transfer:
+        transfer = holder.get("next") or Marking()
+        made.append(transfer)
+        return transfer
+
+    monkeypatch.setattr(aioload.loader, "make_transfer", fake)
+    yield made
+
+
+def _pin_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "aioload-pin"]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("in_order", [True, False])
+def test_stage_keeps_order_and_runs_in_its_own_thread(
+    marking: list[Marking], num_workers: int, in_order: bool, no_leaks: None
+) -> None:
+    loader = aioload.DataLoader(
+        Numbers(40), batch_size=4, num_workers=num_workers, in_order=in_order
+    )
+    firsts = [int(b[0, 0]) for b in loader]
+    if in_order:
+        assert firsts == list(range(0, 40, 4))
+    else:
+        assert sorted(firsts) == list(range(0, 40, 4))
+    (transfer,) = marking
+    assert transfer.threads == {"aioload-pin"}
+    assert transfer.setup_thread == "aioload-pin"
+    assert transfer.seen == 10
+    assert not _pin_threads(), "the stage's thread must not outlive the pass"
+
+
+def test_stage_errors_reach_the_consumer_in_order(
+    marking: list[Marking], monkeypatch: pytest.MonkeyPatch, no_leaks: None
+) -> None:
+    failing = Marking(fail_on=8)
+
+    monkeypatch.setattr(aioload.loader, "make_transfer", lambda pin, device: failing)
+    loader = aioload.DataLoader(Numbers(20), batch_size=4, num_workers=2)
+    got: list[Any] = []
+    it = iter(loader)
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            break
+        except ValueError as exc:
+            assert "starting at 8" in str(exc)
+            got.append("error")
+            continue
+        got.append(int(batch[0, 0]))
+    assert got == [0, 4, "error", 12, 16]
+
+
+def test_stage_depth_is_bounded_by_prefetch_factor(
+    monkeypatch: pytest.MonkeyPatch, no_leaks: None
+) -> None:
+    pending: list[int] = []
+    original_submit = aioload._pinning.PinStage.submit
+
+    def submit(self: aioload._pinning.PinStage, outcome: Any) -> None:
+        original_submit(self, outcome)
+        pending.append(self.pending)
+
+    monkeypatch.setattr(aioload._pinning.PinStage, "submit", submit)
+    monkeypatch.setattr(aioload.loader, "make_transfer", lambda pin, device: Marking())
+    loader = aioload.DataLoader(Numbers(64), batch_size=2, num_workers=2, prefetch_factor=3)
+    for _ in loader:
+        time.sleep(0.002)  # a consumer slower than the stage
+    assert max(pending) <= 3
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_stage_under_async_for(marking: list[Marking], backend: str, no_leaks: None) -> None:
+    loader = aioload.DataLoader(Numbers(24), batch_size=4, num_workers=2)
+
+    async def main() -> list[int]:
+        return [int(b[0, 0]) async for b in loader]
+
+    assert anyio.run(main, backend=backend) == list(range(0, 24, 4))
+    assert not _pin_threads()
+
+
+def test_stage_thread_stops_on_break_and_del(
+    monkeypatch: pytest.MonkeyPatch, no_leaks: None
+) -> None:
+    monkeypatch.setattr(aioload.loader, "make_transfer", lambda pin, device: Marking(delay=0.05))
+    loader = aioload.DataLoader(Numbers(200), batch_size=2, num_workers=2)
+    for i, _ in enumerate(loader):
+        if i == 2:
+            break
+    started = time.monotonic()
+    import gc
+
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while _pin_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _pin_threads()
+    assert time.monotonic() - started < 3
+
+
+@pytest.mark.asyncio
+async def test_stage_thread_stops_on_cancel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(aioload.loader, "make_transfer", lambda pin, device: Marking(delay=0.05))
+    loader = aioload.DataLoader(Numbers(200, delay=0.01), batch_size=2, num_workers=2)
+    it = aiter(loader)
+
+    async def consume() -> None:
+        async for _ in it:
+            pass
+
+    task = asyncio.ensure_future(consume())
+    await asyncio.sleep(0.3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await it.aclose()  # type: ignore[attr-defined]
+    assert not _pin_threads()
+
+
+def test_timeout_passes_through_the_stage(marking: list[Marking], no_leaks: None) -> None:
+    loader = aioload.DataLoader(Numbers(8, delay=1.0), batch_size=4, num_workers=1, timeout=0.3)
+    with pytest.raises(aioload.DataLoaderTimeoutError, match=r"timed out after 0.3 seconds"):
+        next(iter(loader))
+
+
+def test_pin_memory_without_accelerator_warns_and_yields_plain_batches(
+    no_leaks: None,
+) -> None:
+    assert not torch.accelerator.is_available()
+    with pytest.warns(UserWarning, match="no accelerator is found"):
+        ours = list(aioload.DataLoader(Numbers(10), batch_size=3, num_workers=2, pin_memory=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = list(torch.utils.data.DataLoader(Numbers(10), batch_size=3, pin_memory=True))
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref, strict=True))
+    assert not any(b.is_pinned() for b in ours)
+    assert make_transfer(True, None) is None
+
+
+def test_device_argument_validation() -> None:
+    assert not torch.cuda.is_available()
+    with pytest.raises(RuntimeError, match=r"device='cuda' needs CUDA"):
+        aioload.DataLoader(Numbers(), device="cuda")
+    with pytest.raises(RuntimeError, match=r"needs CUDA"):
+        aioload.DataLoader(Numbers(), device=torch.device("cuda", 0))
+    with pytest.raises(RuntimeError):
+        aioload.DataLoader(Numbers(), device="not-a-device")
+    for device in (None, "cpu", torch.device("cpu")):
+        loader = aioload.DataLoader(Numbers(4), batch_size=2, device=device)
+        assert loader.device is None
+        assert all(b.device.type == "cpu" for b in loader)
+
+
+class Custom:
+    def __init__(self, value: int) -> None:
+        self.value = value
+        self.pinned = False
+
+    def pin_memory(self) -> Custom:
+        out = Custom(self.value)
+        out.pinned = True
+        return out
+
+
+def test_pin_transfer_honours_custom_pin_memory_methods() -> None:
+    result = PinTransfer(None).run({"a": [Custom(1), Custom(2)], "b": "text"})
+    assert [c.pinned for c in result["a"]] == [True, True]
+    assert result["b"] == "text"
