@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint bench unit clean
+.PHONY: install run test lint bench bench-gpu test-gpu unit clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,13 @@ test: lint unit
 
 bench: install
 	$(PY) -m aioload.bench
+
+# Need a CUDA GPU (and a CUDA build of torch); they say so and stop where there is none.
+bench-gpu: install
+	$(PY) -m aioload.bench.gpu
+
+test-gpu: install
+	$(PY) -m pytest tests/gpu -rs
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
