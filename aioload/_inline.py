@@ -53,6 +53,15 @@ class InlineSource:
     def watch(self, fd: int) -> None:
         self.watched = fd
 
+    # Nothing to heal in the calling process.
+    restarts_left = 0
+
+    def take_restarted(self) -> list[int]:
+        return []
+
+    def kill(self, worker_id: int) -> None:
+        pass
+
     def poll(self) -> list[tuple[int, int, Outcome]]:
         if self.result is None:
             return []

@@ -62,6 +62,11 @@ class Source(Protocol):
     def check_health(self) -> None: ...
     def pid(self, worker_id: int) -> int | None: ...
     def watch(self, fd: int) -> None: ...
+    def take_restarted(self) -> list[int]: ...
+    def kill(self, worker_id: int) -> None: ...
+
+    restarts_left: int
+
     def close(self, grace: float = ...) -> None: ...
 
 
@@ -170,6 +175,8 @@ class Orchestrator:
             self._accept(worker_id, task_id, outcome)
         if self._source.broken is not None:
             self._fail(self._source.broken)
+        for worker_id in self._source.take_restarted():
+            self._resend(worker_id)
         stage = self._stage
         if stage is None:
             ready = self._pop_ready()
@@ -214,6 +221,13 @@ class Orchestrator:
             if result is not PENDING:
                 return result
             if time.monotonic() >= deadline:
+                stuck = self._stuck_worker()
+                if stuck is not None and self._source.restarts_left > 0:
+                    # A hung worker, and healing is on: kill it; its death is handled as any
+                    # other (replaced, its tasks sent again) and the wait starts over.
+                    self._source.kill(stuck)
+                    deadline = time.monotonic() + self._timeout
+                    continue
                 raise self._timeout_error()
             self._busy = True
             try:
@@ -275,6 +289,16 @@ class Orchestrator:
 
     # -- results -----------------------------------------------------------------------------
 
+    def _resend(self, worker_id: int) -> None:
+        """A replaced worker's unanswered tasks go to its successor, with the same task ids: the
+        reorder buffer neither loses nor duplicates a batch. (Answers its predecessor sent
+        before dying were taken in first.)"""
+        for task_id in sorted(self._inflight):
+            owner, indices = self._inflight[task_id]
+            if owner == worker_id:
+                self._source.submit(worker_id, task_id, indices)
+        self._source.flush()
+
     def _accept(self, worker_id: int, task_id: int, outcome: Outcome) -> None:
         if self._inflight.pop(task_id, None) is None:
             return
@@ -327,6 +351,11 @@ class Orchestrator:
         return value
 
     # -- failures ----------------------------------------------------------------------------
+
+    def _stuck_worker(self) -> int | None:
+        if not self._inflight:
+            return None
+        return self._inflight[min(self._inflight)][0]
 
     def _timeout_error(self) -> DataLoaderTimeoutError:
         message = f"DataLoader timed out after {self._timeout} seconds"

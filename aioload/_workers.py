@@ -17,6 +17,7 @@ import selectors
 import signal
 import socket
 import time
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -61,6 +62,7 @@ class WorkerSpec:
     prefetch_factor: int
     multiprocessing_context: Any
     slab_collate: bool
+    max_worker_restarts: int = 0
 
 
 class _Worker:
@@ -73,6 +75,11 @@ class _Worker:
         self.channel = channel
         self.mappings = SlabMappings()
         self.exited = False
+        self.release: Callable[[int], None] = _no_release
+
+
+def _no_release(slab_id: int) -> None:
+    pass
 
 
 def _describe_exit(worker: _Worker) -> tuple[str, int | None]:
@@ -103,85 +110,102 @@ class WorkerPool:
         # Slabs whose batch the consumer has let go of, from any thread (a lease dies wherever
         # its last reference is dropped, often inside the garbage collector). deque.append is
         # atomic, and the queue is drained only on the orchestrator's side.
-        self.releases: deque[tuple[int, int]] = deque()
+        self.releases: deque[tuple[_Worker, int]] = deque()
         self.selector = selectors.DefaultSelector()
-        self._release_cb: dict[int, Callable[[int], None]] = {}
         self._watched: list[int] = []
+        # Healing: how many more dead workers this pass may replace, and the ids replaced since
+        # the orchestrator last looked (it re-sends their in-flight tasks).
+        self.max_restarts = spec.max_worker_restarts
+        self.restarts_left = spec.max_worker_restarts
+        self.restarted: list[int] = []
         self._start()
 
     # -- start -------------------------------------------------------------------------------
 
     def _start(self) -> None:
         spec = self.spec
-        ctx = spec.multiprocessing_context or multiprocessing.get_context()
-        forking = ctx.get_start_method() == "fork"
+        self._ctx = spec.multiprocessing_context or multiprocessing.get_context()
+        self._forking = self._ctx.get_start_method() == "fork"
         objects = (spec.dataset, spec.collate_fn, spec.worker_init_fn)
         # Under spawn and forkserver the dataset is pickled here once and the same bytes go to
-        # every worker; under fork the workers inherit it and nothing is pickled at all.
-        payload: tuple[Any, Any, Any] | bytes = (
-            objects if forking else pickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
+        # every worker (and to any replacement); under fork the workers inherit it and nothing
+        # is pickled at all.
+        self._payload: tuple[Any, Any, Any] | bytes = (
+            objects if self._forking else pickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
         )
         try:
             for worker_id in range(self.num_workers):
-                parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-                channel = ParentChannel(parent_sock)
-                # Registered before the fork, so that this worker also closes its inherited copy
-                # of our end: holding it, the worker would never see EOF from us.
-                _parent_fds.add(channel)
-                config = WorkerConfig(
-                    worker_id=worker_id,
-                    num_workers=self.num_workers,
-                    base_seed=self.base_seed,
-                    generation=self.generation,
-                    dataset_kind=spec.dataset_kind,
-                    auto_collation=spec.auto_collation,
-                    drop_last=spec.drop_last,
-                    payload=payload,
-                    slab_collate=spec.slab_collate,
-                    max_idle_slabs=spec.prefetch_factor + 1,
-                )
-                inherited = (
-                    [c.fileno() for c in _parent_fds if not c.closed] + [self.selector.fileno()]
-                    if forking
-                    else []
-                )
-                process = ctx.Process(
-                    target=worker_main,
-                    args=(config, child_sock, inherited),
-                    name=f"aioload-worker-{worker_id}",
-                    daemon=True,
-                )
-                try:
-                    # start() does not wait for the worker to initialise, so workers come up
-                    # concurrently.
-                    process.start()
-                finally:
-                    # Our copy of the child's end must go, or the child's death would not
-                    # close its socket.
-                    child_sock.close()
-                worker = _Worker(worker_id, process, channel)
-                self.workers.append(worker)
-                self.selector.register(channel.sock, selectors.EVENT_READ, (worker, "sock"))
-                self.selector.register(process.sentinel, selectors.EVENT_READ, (worker, "exit"))
-                self._release_cb[worker_id] = self._make_release(worker_id)
+                self.workers.append(self._spawn(worker_id))
         except BaseException:
             self.close(grace=0.0)
             raise
 
-    def _make_release(self, worker_id: int) -> Callable[[int], None]:
+    def _spawn(self, worker_id: int) -> _Worker:
+        spec = self.spec
+        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        channel = ParentChannel(parent_sock)
+        # Registered before the fork, so that this worker also closes its inherited copy of our
+        # end: holding it, the worker would never see EOF from us.
+        _parent_fds.add(channel)
+        config = WorkerConfig(
+            worker_id=worker_id,
+            num_workers=self.num_workers,
+            base_seed=self.base_seed,
+            generation=self.generation,
+            dataset_kind=spec.dataset_kind,
+            auto_collation=spec.auto_collation,
+            drop_last=spec.drop_last,
+            payload=self._payload,
+            slab_collate=spec.slab_collate,
+            max_idle_slabs=spec.prefetch_factor + 1,
+        )
+        inherited = (
+            [c.fileno() for c in _parent_fds if not c.closed] + [self.selector.fileno()]
+            if self._forking
+            else []
+        )
+        process = self._ctx.Process(
+            target=worker_main,
+            args=(config, child_sock, inherited),
+            name=f"aioload-worker-{worker_id}",
+            daemon=True,
+        )
+        try:
+            # start() does not wait for the worker to initialise, so workers come up
+            # concurrently.
+            process.start()
+        except BaseException:
+            _parent_fds.discard(channel)
+            channel.close()
+            raise
+        finally:
+            # Our copy of the child's end must go, or the child's death would not close its
+            # socket.
+            child_sock.close()
+        worker = _Worker(worker_id, process, channel)
+        worker.release = self._make_release(worker)
+        self.selector.register(channel.sock, selectors.EVENT_READ, (worker, "sock"))
+        self.selector.register(process.sentinel, selectors.EVENT_READ, (worker, "exit"))
+        return worker
+
+    def _make_release(self, worker: _Worker) -> Callable[[int], None]:
+        # Keyed by the worker *incarnation*: a replacement numbers its slabs from 0 again, so a
+        # late release of a dead worker's slab must never reach its successor.
         releases = self.releases
 
         def release(slab_id: int) -> None:
-            releases.append((worker_id, slab_id))
+            releases.append((worker, slab_id))
 
         return release
 
     # -- tasks -------------------------------------------------------------------------------
 
     def begin_epoch(self, first: bool) -> int:
-        """Start a new generation (a new pass over the sampler). Answers to tasks of older generations are dropped, and
-        IterableDataset workers re-create their iterator."""
+        """Start a new generation (a new pass over the sampler). Answers to tasks of older
+        generations are dropped, and IterableDataset workers re-create their iterator."""
         self.check_usable()
+        self.restarts_left = self.max_restarts
+        self.restarted.clear()
         # A previous pass's pin stage pipe, if any, is closed by now: forget it.
         for fd in self._watched:
             with contextlib.suppress(KeyError, ValueError, OSError):
@@ -203,12 +227,11 @@ class WorkerPool:
     def flush(self) -> None:
         """Return freed slabs to their workers and write what fits of every outbox."""
         if self.releases:
-            freed: dict[int, list[int]] = {}
+            freed: dict[_Worker, list[int]] = {}
             while self.releases:
-                worker_id, slab_id = self.releases.popleft()
-                freed.setdefault(worker_id, []).append(slab_id)
-            for worker_id, slab_ids in freed.items():
-                worker = self.workers[worker_id]
+                worker, slab_id = self.releases.popleft()
+                freed.setdefault(worker, []).append(slab_id)
+            for worker, slab_ids in freed.items():
                 if not worker.exited and not worker.channel.closed:
                     worker.channel.queue(("free", slab_ids))
         for worker in self.workers:
@@ -274,11 +297,9 @@ class WorkerPool:
                 worker.mappings.add(slab_id, worker.channel.take_fd(), capacity)
             if generation != self.generation:
                 if slab_id >= 0:
-                    self.releases.append((worker.worker_id, slab_id))
+                    self.releases.append((worker, slab_id))
                 return None
-            batch = worker.mappings.decode(
-                slab_id, used, payload, leaves, self._release_cb[worker.worker_id]
-            )
+            batch = worker.mappings.decode(slab_id, used, payload, leaves, worker.release)
             return ("ok", batch)
         if generation != self.generation:
             return None
@@ -298,13 +319,46 @@ class WorkerPool:
             self.selector.unregister(worker.process.sentinel)
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(worker.channel.sock)
-        worker.process.join(timeout=0)
+        # The sentinel closes while the process exits, a moment before it can be reaped: wait
+        # for the exit status rather than reading None (bounded; the process is on its way out).
+        worker.process.join(timeout=2.0)
         if self.closed:
             return
         message, code = _describe_exit(worker)
+        if self.restarts_left > 0:
+            self.restarts_left -= 1
+            used = self.max_restarts - self.restarts_left
+            warnings.warn(
+                f"{message} aioload replaced it with a new worker {worker.worker_id} "
+                f"(restart {used} of max_worker_restarts={self.max_restarts}) and is sending "
+                "its unfinished tasks again.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self._retire(worker)
+            self.workers[worker.worker_id] = self._spawn(worker.worker_id)
+            self.restarted.append(worker.worker_id)
+            return
         self.broken = WorkerDiedError(
             message, worker_id=worker.worker_id, pid=worker.pid, exitcode=code
         )
+
+    def _retire(self, worker: _Worker) -> None:
+        # Its mappings stay alive as long as batches the consumer holds reference them.
+        _parent_fds.discard(worker.channel)
+        worker.channel.close()
+        with contextlib.suppress(ValueError, AssertionError):
+            worker.process.join(timeout=1.0)
+            worker.process.close()
+
+    def kill(self, worker_id: int) -> None:
+        """SIGKILL a worker (a hung one); its death is then handled as any other."""
+        with contextlib.suppress(ProcessLookupError, OSError, ValueError):
+            self.workers[worker_id].process.kill()
+
+    def take_restarted(self) -> list[int]:
+        restarted, self.restarted = self.restarted, []
+        return restarted
 
     def check_usable(self) -> None:
         if self.broken is not None:

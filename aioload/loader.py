@@ -58,6 +58,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         pin_memory_device: str = "",
         in_order: bool = True,
         device: str | torch.device | None = None,
+        max_worker_restarts: int = 0,
     ) -> None:
         # torch validates every argument, with its own messages, and builds the samplers.
         super().__init__(
@@ -83,6 +84,16 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             # torch accepts 0 here and then fails inside its iterator; fail early and clearly.
             raise ValueError("prefetch_factor option should be positive when num_workers > 0")
         self.device = _check_device(device)
+        if not isinstance(max_worker_restarts, int) or max_worker_restarts < 0:
+            raise ValueError("max_worker_restarts option should be a non-negative integer")
+        if max_worker_restarts and self.num_workers == 0:
+            raise ValueError("max_worker_restarts option needs num_workers > 0")
+        if max_worker_restarts and isinstance(self.dataset, IterableDataset):
+            raise ValueError(
+                "max_worker_restarts is not supported with an IterableDataset: a replacement "
+                "worker would start its iterator over, so samples would repeat"
+            )
+        self.max_worker_restarts = max_worker_restarts
         self._persistent_pool: WorkerPool | None = None
         self._persistent_engine: weakref.ReferenceType[Orchestrator] | None = None
 
@@ -109,6 +120,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             multiprocessing_context=self.multiprocessing_context,
             # Stack straight into the shared-memory slab when the collate is torch's default.
             slab_collate=self.collate_fn is default_collate,
+            max_worker_restarts=self.max_worker_restarts,
         )
 
     def _draw_base_seed(self) -> int:
