@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint bench bench-gpu test-gpu unit clean
+.PHONY: install run test lint bench bench-gpu test-gpu soak unit clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ test: lint unit
 
 bench: install
 	$(PY) -m aioload.bench
+
+# Not part of `make test`: 1,000 loaders with random breaks and worker kills; counts must be flat.
+soak: install
+	$(PY) tests/soak.py --json docs/soak.json
 
 # Need a CUDA GPU (and a CUDA build of torch); they say so and stop where there is none.
 bench-gpu: install
