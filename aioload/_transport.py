@@ -44,6 +44,7 @@ __all__ = [
     "LeafDesc",
     "SlabMappings",
     "WorkerSlabPool",
+    "dumps_by_value",
     "encode_batch",
     "slab_collate",
 ]
@@ -78,6 +79,9 @@ _TORCH_DTYPES: frozenset[torch.dtype] = frozenset(
         torch.complex128,
         getattr(torch, "float8_e4m3fn", None),
         getattr(torch, "float8_e5m2", None),
+        getattr(torch, "float8_e4m3fnuz", None),
+        getattr(torch, "float8_e5m2fnuz", None),
+        getattr(torch, "float8_e8m0fnu", None),
     )
     if d is not None
 )
@@ -215,7 +219,8 @@ class WorkerSlabPool:
         return slab
 
     def release(self, slab_id: int) -> None:
-        if slab_id not in self.slabs:
+        # Idempotent: a slab listed twice in ``free`` could be handed to two live batches.
+        if slab_id not in self.slabs or slab_id in self.free:
             return
         self.free.append(slab_id)
         while len(self.free) > self.max_idle:
@@ -380,7 +385,11 @@ def encode_batch(batch: Any, pool: WorkerSlabPool, arena: _Arena | None) -> Enco
         else:
             if leaf.flags.c_contiguous:
                 strides = None
-            elif _dense_strides(leaf.shape, tuple(s // leaf.itemsize for s in leaf.strides)):
+            elif (
+                leaf.itemsize
+                and all(s % leaf.itemsize == 0 for s in leaf.strides)
+                and _dense_strides(leaf.shape, tuple(s // leaf.itemsize for s in leaf.strides))
+            ):
                 strides = tuple(leaf.strides)
             else:
                 leaf = np.ascontiguousarray(leaf)
@@ -401,9 +410,11 @@ def encode_batch(batch: Any, pool: WorkerSlabPool, arena: _Arena | None) -> Enco
     if arena is not None and _round_up(arena.used, ALIGN) + extra <= arena.slab.capacity:
         target = arena
     else:
+        # Acquire first: if that fails (no shared memory), the caller still owns the arena's
+        # slab and releases it exactly once.
+        target = _Arena(pool.acquire(total))
         if arena is not None:
             pool.release(arena.slab.id)
-        target = _Arena(pool.acquire(total))
         prepared = [(leaf, nbytes, False, strides) for leaf, nbytes, _, strides in prepared]
 
     for leaf, nbytes, in_arena, strides in prepared:
@@ -448,6 +459,36 @@ def _copy_into(
         np.copyto(dst_np, leaf, casting="no")
 
 
+def _tensor_from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+class _ByValuePickler(pickle.Pickler):
+    """Pickles a batch whole, for when no shared memory can be had. torch's own tensor pickling
+    cannot load some dtypes the slabs carry (complex32, float8, uint16/32/64), so those tensors
+    travel as raw bytes; everything else pickles as usual."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if (
+            type(obj) is torch.Tensor
+            and obj.device.type == "cpu"
+            and obj.layout == torch.strided
+            and obj.dtype in _TORCH_DTYPES
+            and not obj.requires_grad
+        ):
+            flat = obj.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+            return _tensor_from_bytes, (flat.numpy().tobytes(), obj.dtype, tuple(obj.shape))
+        return NotImplemented
+
+
+def dumps_by_value(batch: Any) -> bytes:
+    buf = io.BytesIO()
+    _ByValuePickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(batch)
+    return buf.getvalue()
+
+
 # --------------------------------------------------------------------------------------------
 # Parent side
 # --------------------------------------------------------------------------------------------
@@ -466,14 +507,14 @@ class SlabMappings:
     """The parent's mappings of one worker's slabs."""
 
     def __init__(self) -> None:
-        self.maps: dict[int, np.ndarray[Any, np.dtype[np.uint8]]] = {}
+        self.maps: dict[int, ctypes.Array[ctypes.c_ubyte]] = {}
 
     def add(self, slab_id: int, fd: int, capacity: int) -> None:
         try:
             buf = _map_fd(fd, capacity)
         finally:
             os.close(fd)
-        self.maps[slab_id] = np.frombuffer(cast(Any, buf), dtype=np.uint8)
+        self.maps[slab_id] = buf
 
     def drop(self, slab_ids: list[int]) -> None:
         # Dropping our reference unmaps the slab once no lease of it is alive any more.
@@ -493,9 +534,16 @@ class SlabMappings:
     ) -> Any:
         leaves: list[Any] = []
         if slab_id >= 0:
-            lease = self.maps[slab_id][:used]
+            # The lease's owner is a ctypes array made for this batch over the used part of the
+            # slab. It must not be a numpy array: numpy collapses view chains to the first
+            # object that is not an array, so views of a numpy lease would skip it and the lease
+            # would die while they live. Every numpy view of ``lease`` keeps ``owner`` alive, and
+            # so does every tensor (through torch.from_numpy(lease)).
+            owner = (ctypes.c_ubyte * used).from_buffer(self.maps[slab_id])
+            lease = np.frombuffer(cast(Any, owner), dtype=np.uint8)
             # When the last view of this batch dies, the slab goes back to its worker.
-            weakref.finalize(lease, on_release, slab_id)
+            weakref.finalize(owner, on_release, slab_id)
+            del owner
             lease_t: torch.Tensor | None = None
             for kind, offset, dtype, shape, strides in descs:
                 if kind == "t":

@@ -113,12 +113,9 @@ def _seed(base_seed: int, worker_id: int) -> int:
     return seed
 
 
-def worker_main(config: WorkerConfig, sock: Any, inherited_fds: list[int]) -> None:
-    # Under fork we inherit the parent's ends of other workers' sockets. Holding them would keep
-    # those workers from seeing EOF when the parent dies, so close them first.
-    for fd in inherited_fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
+def worker_main(config: WorkerConfig, sock: Any) -> None:
+    # (Under fork, the parent's ends of every worker's socket that we inherited were closed by
+    # _workers._disown_after_fork before this runs.)
     # Ctrl-C goes to the whole process group; the parent decides what it means and stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
@@ -236,7 +233,10 @@ class _Worker:
         arena = None
         try:
             if self.config.slab_collate:
-                arena = self.pool.arena()
+                try:
+                    arena = self.pool.arena()
+                except OSError:
+                    arena = None  # no shared memory now: collate as usual, send by value
             _transport._current_arena = arena
             try:
                 data = self.fetcher.fetch(indices)
@@ -267,7 +267,7 @@ class _Worker:
             if arena is not None:
                 self.pool.release(arena.slab.id)
             try:
-                payload = pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
+                payload = _transport.dumps_by_value(data)
             except Exception:
                 self._send(("err", task_id, generation, RemoteError(self.config.worker_id)))
                 return

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import multiprocessing.connection
+import os
 import pickle
 import selectors
 import signal
@@ -41,9 +42,32 @@ SHUTDOWN_GRACE_S = 0.5
 # none is known) is still noticed.
 _HEALTH_CHECK_S = 1.0
 
-# Parent ends of every pool's sockets in this process. A forked worker closes the ones it
-# inherits (see worker_main).
+# Parent ends of every pool's sockets, and every pool, in this process.
 _parent_fds: weakref.WeakSet[ParentChannel] = weakref.WeakSet()
+_pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
+
+
+def _disown_after_fork() -> None:
+    """In a forked child (one of our workers, or any ``os.fork()`` of the user's), the pools and
+    sockets copied from the parent belong to the parent.
+
+    The child must not keep the parent's socket ends open: a worker whose socket end is also
+    held by a sibling would never see EOF when the parent dies. And it must never run their
+    shutdown: a copy of an abandoned pass collected inside the child would close descriptor
+    numbers the child may have reused, and kill the parent's workers. So the sockets are closed
+    here, once, through their own objects, and every pool is marked closed.
+    """
+    for channel in list(_parent_fds):
+        with contextlib.suppress(OSError):
+            channel.close()
+    _parent_fds.clear()
+    for pool in list(_pools):
+        pool.closed = True
+        with contextlib.suppress(Exception):
+            pool.selector.close()
+
+
+os.register_at_fork(after_in_child=_disown_after_fork)
 
 # What a task produced: ("ok", batch), ("err", RemoteError) or ("end", None) when an
 # IterableDataset worker has run dry.
@@ -118,6 +142,8 @@ class WorkerPool:
         self.max_restarts = spec.max_worker_restarts
         self.restarts_left = spec.max_worker_restarts
         self.restarted: list[int] = []
+        self._owner_pid = os.getpid()
+        _pools.add(self)
         self._start()
 
     # -- start -------------------------------------------------------------------------------
@@ -144,8 +170,8 @@ class WorkerPool:
         spec = self.spec
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         channel = ParentChannel(parent_sock)
-        # Registered before the fork, so that this worker also closes its inherited copy of our
-        # end: holding it, the worker would never see EOF from us.
+        # Registered before the fork, so that the new worker closes its inherited copy of our
+        # end too (see _disown_after_fork): holding it, it would never see EOF from us.
         _parent_fds.add(channel)
         config = WorkerConfig(
             worker_id=worker_id,
@@ -159,14 +185,9 @@ class WorkerPool:
             slab_collate=spec.slab_collate,
             max_idle_slabs=spec.prefetch_factor + 1,
         )
-        inherited = (
-            [c.fileno() for c in _parent_fds if not c.closed] + [self.selector.fileno()]
-            if self._forking
-            else []
-        )
         process = self._ctx.Process(
             target=worker_main,
-            args=(config, child_sock, inherited),
+            args=(config, child_sock),
             name=f"aioload-worker-{worker_id}",
             daemon=True,
         )
@@ -388,7 +409,7 @@ class WorkerPool:
     def close(self, grace: float = SHUTDOWN_GRACE_S) -> None:
         """Stop every worker and release every resource. Bounded: at most ``grace`` seconds
         of waiting, then SIGKILL. Safe to call twice, from a finalizer, or after a fork."""
-        if self.closed:
+        if self.closed or os.getpid() != self._owner_pid:
             return
         self.closed = True
         # 1. Close our ends first. An idle worker sees EOF in its poll() and leaves at once; a

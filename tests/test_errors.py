@@ -1,0 +1,519 @@
+"""Errors reach the consumer as torch's DataLoader delivers them.
+
+Dataset, collate and worker_init_fn exceptions keep their type, and carry the worker id and the
+worker's traceback; a dead worker or a timeout raises a RuntimeError with torch's wording, fast,
+and never hangs; after a per-batch error the epoch goes on; argument validation is torch's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+from torch.utils.data import IterableDataset, SequentialSampler
+
+import aioload
+from tests.scripts import datasets
+from tests.scripts.datasets import (
+    DiesAt,
+    DistinctiveError,
+    FailingAt,
+    SlowAt,
+    Squares,
+    TwoArgError,
+    collate_failing_on_5,
+    init_failing_on_worker_1,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+APIS = ["sync", "async"]
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _epoch(loader: Any, api: str, catch: tuple[type[BaseException], ...] = ()) -> list[Any]:
+    """One pass over ``loader``: the batches, with each caught exception in its place.
+
+    Bounded, so an iterator that keeps raising cannot loop forever."""
+    limit = len(loader) + 5
+    if api == "sync":
+        out: list[Any] = []
+        it = iter(loader)
+        while True:
+            assert len(out) <= limit, "the iterator does not end"
+            try:
+                out.append(next(it))
+            except StopIteration:
+                return out
+            except catch as exc:
+                out.append(exc)
+
+    async def main() -> list[Any]:
+        out: list[Any] = []
+        it = aiter(loader)
+        while True:
+            assert len(out) <= limit, "the iterator does not end"
+            try:
+                out.append(await anext(it))
+            except StopAsyncIteration:
+                return out
+            except catch as exc:
+                out.append(exc)
+
+    return [_detached(x) for x in asyncio.run(main())]
+
+
+def _first_error(
+    loader: Any, api: str, fatal: bool = False
+) -> tuple[BaseException, list[Any], float]:
+    """Iterate until something raises: (the exception, the batches before it, the monotonic
+    time of the raise). With ``fatal``, asking for another batch must not hang either."""
+    batches: list[Any] = []
+    if api == "sync":
+        it = iter(loader)
+        try:
+            for batch in it:
+                batches.append(batch)
+        except Exception as exc:
+            raised_at = time.monotonic()
+            if fatal:
+                with pytest.raises((RuntimeError, StopIteration)):
+                    next(it)
+            return exc, batches, raised_at
+        raise AssertionError("the epoch ended without an error")
+
+    async def main() -> tuple[BaseException, list[Any], float]:
+        it = aiter(loader)
+        try:
+            async for batch in it:
+                batches.append(batch)
+        except Exception as exc:
+            raised_at = time.monotonic()
+            if fatal:
+                with pytest.raises((RuntimeError, StopAsyncIteration)):
+                    await anext(it)
+            return exc, batches, raised_at
+        raise AssertionError("the epoch ended without an error")
+
+    exc, batches, raised_at = asyncio.run(main())
+    return _detached(exc), batches, raised_at
+
+
+def _error_of(fn: Callable[[], Any]) -> tuple[type[BaseException], str]:
+    """The type and message of what ``fn()`` raises. The exception itself is dropped (and
+    collected), so that a torch iterator its traceback holds stops its workers now."""
+    try:
+        fn()
+    except Exception as exc:
+        result = type(exc), str(exc)
+    else:
+        raise AssertionError("nothing was raised")
+    gc.collect()
+    return result
+
+
+def _detached(item: Any) -> Any:
+    """An exception caught under ``async for`` without its traceback, whose frames hold the
+    iterator. (anyio's worker threads keep the finished root task, and so its result, alive for a
+    moment after ``asyncio.run`` returns; the leak check must not depend on that moment.)"""
+    if isinstance(item, BaseException):
+        item.__traceback__ = None
+    return item
+
+
+def _values(batches: list[Any]) -> list[list[int]]:
+    return [b.flatten().tolist() for b in batches]
+
+
+def _wait_no_children(timeout: float = 5.0) -> list[int]:
+    """Pids of this process's descendants still running after up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [
+            p.pid
+            for p in psutil.Process().children(recursive=True)
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        ]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+@pytest.fixture(autouse=True)
+def _clear_collate_record() -> Iterator[None]:
+    yield
+    datasets.COLLATE_RAISED.clear()
+
+
+# -- exceptions in user code -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_getitem_error_keeps_type_worker_id_and_traceback(api: str, no_leaks: None) -> None:
+    # batch_size=1, in order, round robin: index 3 is fetched by worker 1.
+    ds = FailingAt(10, bad=3)
+    loader = aioload.DataLoader(ds, batch_size=1, num_workers=2)
+    exc, before, _ = _first_error(loader, api)
+    assert type(exc) is DistinctiveError
+    message = str(exc)
+    assert message.startswith("Caught DistinctiveError in DataLoader worker process 1.\n")
+    assert "in DataLoader worker process 1" in message
+    assert "Original Traceback (most recent call last):" in message
+    assert "in __getitem__" in message
+    assert 'raise DistinctiveError(f"getitem-marker index {i}")' in message
+    assert "DistinctiveError: getitem-marker index 3" in message
+    assert _values(before) == [[0], [1], [2]]
+
+
+def test_getitem_error_message_matches_torch(no_leaks: None) -> None:
+    ds = FailingAt(6, bad=3)
+    ours = _error_of(lambda: list(aioload.DataLoader(ds, batch_size=1, num_workers=2)))
+    ref = _error_of(lambda: list(torch.utils.data.DataLoader(ds, batch_size=1, num_workers=2)))
+    assert ours[0] is ref[0] is DistinctiveError
+    ours_lines, ref_lines = ours[1].splitlines(), ref[1].splitlines()
+    assert ours_lines[:2] == ref_lines[:2]
+    assert ours_lines[-1] == ref_lines[-1]
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_key_error_keeps_type_and_readable_message(api: str, no_leaks: None) -> None:
+    loader = aioload.DataLoader(KeyErrorAt(6, bad=2), batch_size=1, num_workers=2)
+    exc, _, _ = _first_error(loader, api)
+    assert type(exc) is KeyError
+    # torch's KeyErrorMessage: str() shows the traceback's lines, not a repr of one string.
+    assert "Caught KeyError in DataLoader worker process 0.\n" in str(exc)
+    assert "keyerror-marker" in str(exc)
+
+
+class KeyErrorAt(torch.utils.data.Dataset[torch.Tensor]):
+    def __init__(self, n: int, bad: int) -> None:
+        self.n = n
+        self.bad = bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.bad:
+            raise KeyError("keyerror-marker")
+        return torch.tensor([i])
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_collate_error_keeps_type_worker_id_and_traceback(api: str, no_leaks: None) -> None:
+    # batch_size=2: index 5 is in batch 2, fetched by worker 0.
+    loader = aioload.DataLoader(
+        Squares(12), batch_size=2, num_workers=2, collate_fn=collate_failing_on_5
+    )
+    exc, before, _ = _first_error(loader, api)
+    assert type(exc) is DistinctiveError
+    message = str(exc)
+    assert message.startswith("Caught DistinctiveError in DataLoader worker process 0.\n")
+    assert "in collate_failing_on_5" in message
+    assert 'raise DistinctiveError("collate-marker saw index 5")' in message
+    assert len(before) == 2
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_worker_init_fn_error_keeps_type_worker_id_and_traceback(api: str, no_leaks: None) -> None:
+    loader = aioload.DataLoader(
+        Squares(8), batch_size=1, num_workers=2, worker_init_fn=init_failing_on_worker_1
+    )
+    exc, before, _ = _first_error(loader, api)
+    assert type(exc) is DistinctiveError
+    message = str(exc)
+    assert message.startswith("Caught DistinctiveError in DataLoader worker process 1.\n")
+    assert "in init_failing_on_worker_1" in message
+    assert "init-marker worker 1" in message
+    # Batch 0 comes from worker 0, whose init went fine.
+    assert _values(before) == [[0, 0]]
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_getitem_error_without_workers_is_the_original_object(api: str, no_leaks: None) -> None:
+    ds = FailingAt(6, bad=2)
+    exc, before, _ = _first_error(aioload.DataLoader(ds, batch_size=1), api)
+    assert exc is ds.raised[-1]
+    assert str(exc) == "getitem-marker index 2"
+    assert _values(before) == [[0], [1]]
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_collate_error_without_workers_is_the_original_object(api: str, no_leaks: None) -> None:
+    loader = aioload.DataLoader(Squares(12), batch_size=2, collate_fn=collate_failing_on_5)
+    exc, _, _ = _first_error(loader, api)
+    assert exc is datasets.COLLATE_RAISED[-1]
+    assert str(exc) == "collate-marker saw index 5"
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_unbuildable_exception_type_falls_back_to_worker_error(api: str, no_leaks: None) -> None:
+    loader = aioload.DataLoader(FailingAt(6, bad=3, two_arg=True), batch_size=1, num_workers=2)
+    exc, _, _ = _first_error(loader, api)
+    assert type(exc) is aioload.WorkerError
+    assert isinstance(exc, RuntimeError)
+    assert isinstance(exc, aioload.LoaderError)
+    assert exc.worker_id == 1
+    message = str(exc)
+    assert message.startswith("Caught TwoArgError in DataLoader worker process 1.\n")
+    assert "two-arg-marker index 3" in message
+    assert "in __getitem__" in message
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("two_arg", [False, True], ids=["original-type", "worker-error"])
+def test_epoch_goes_on_after_a_caught_error(
+    api: str, num_workers: int, two_arg: bool, no_leaks: None
+) -> None:
+    n, bad = 13, 4
+    loader = aioload.DataLoader(
+        FailingAt(n, bad=bad, two_arg=two_arg), batch_size=1, num_workers=num_workers
+    )
+    expected_type = TwoArgError if num_workers == 0 and two_arg else DistinctiveError
+    if num_workers and two_arg:
+        expected_type = aioload.WorkerError
+    for _ in range(2):  # and the next epoch is whole too
+        out = _epoch(loader, api, catch=(Exception,))
+        errors = [i for i, item in enumerate(out) if isinstance(item, BaseException)]
+        assert errors == [bad]
+        assert type(out[bad]) is expected_type
+        assert _values([b for b in out if not isinstance(b, BaseException)]) == [
+            [i] for i in range(n) if i != bad
+        ]
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_epoch_goes_on_after_a_caught_error_out_of_order(api: str, no_leaks: None) -> None:
+    n, bad = 17, 6
+    loader = aioload.DataLoader(FailingAt(n, bad=bad), batch_size=1, num_workers=2, in_order=False)
+    out = _epoch(loader, api, catch=(DistinctiveError,))
+    assert sum(isinstance(x, DistinctiveError) for x in out) == 1
+    got = sorted(int(x) for x in out if not isinstance(x, BaseException))
+    assert got == [i for i in range(n) if i != bad]  # every other batch, exactly once
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_epoch_goes_on_after_collate_errors_with_batches(api: str, no_leaks: None) -> None:
+    loader = aioload.DataLoader(
+        Squares(12), batch_size=2, num_workers=2, collate_fn=collate_failing_on_5
+    )
+    out = _epoch(loader, api, catch=(DistinctiveError,))
+    assert [isinstance(x, DistinctiveError) for x in out] == [
+        False,
+        False,
+        True,
+        False,
+        False,
+        False,
+    ]
+    got = [x[:, 0].tolist() for x in out if not isinstance(x, BaseException)]
+    assert got == [[0, 1], [2, 3], [6, 7], [8, 9], [10, 11]]
+
+
+# -- timeouts --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("timeout, shown", [(0.5, "0.5"), (1, "1")])
+@pytest.mark.parametrize("api", APIS)
+def test_timeout_names_the_worker_and_its_indices(
+    api: str, timeout: float, shown: str, tmp_path: Path, no_leaks: None
+) -> None:
+    marker = tmp_path / "slow-pid"
+    ds = SlowAt(8, slow=0, seconds=20, marker=str(marker))
+    loader = aioload.DataLoader(ds, batch_size=2, num_workers=2, timeout=timeout)
+    started = time.monotonic()
+    exc, before, raised_at = _first_error(loader, api)
+    assert before == []
+    assert type(exc) is aioload.DataLoaderTimeoutError
+    assert isinstance(exc, RuntimeError)
+    assert exc.timeout == timeout
+    message = str(exc)
+    assert message.startswith(f"DataLoader timed out after {shown} seconds")
+    # Batch 0 ([0, 1]) is held by worker 0, whose pid the dataset wrote down.
+    assert f"pid {int(marker.read_text())}" in message
+    assert "[0, 1]" in message
+    assert timeout * 0.9 <= raised_at - started < timeout + 10
+
+
+def test_timeout_message_matches_torch_prefix(no_leaks: None) -> None:
+    ds = SlowAt(4, slow=0, seconds=20)
+    ours = _error_of(
+        lambda: next(iter(aioload.DataLoader(ds, batch_size=1, num_workers=1, timeout=0.5)))
+    )
+    ref = _error_of(
+        lambda: next(
+            iter(torch.utils.data.DataLoader(ds, batch_size=1, num_workers=1, timeout=0.5))
+        )
+    )
+    assert ref == (RuntimeError, "DataLoader timed out after 0.5 seconds")
+    assert issubclass(ours[0], RuntimeError)
+    assert ours[1].startswith(ref[1])
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_timeout_does_not_fire_on_a_slow_but_steady_epoch(api: str, no_leaks: None) -> None:
+    # Each batch takes ~0.15 s, the epoch well over the timeout: the timeout is per batch.
+    ds = SlowEach(16, 0.15)
+    out = _epoch(aioload.DataLoader(ds, batch_size=1, num_workers=2, timeout=1.5), api)
+    assert _values(out) == [[i] for i in range(16)]
+
+
+class SlowEach(torch.utils.data.Dataset[torch.Tensor]):
+    def __init__(self, n: int, seconds: float) -> None:
+        self.n = n
+        self.seconds = seconds
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return torch.tensor([i])
+
+
+def test_timeout_without_workers_is_refused_like_torch() -> None:
+    ds = Squares(4)
+    with pytest.raises(AssertionError) as ref:
+        iter(torch.utils.data.DataLoader(ds, timeout=1))
+    with pytest.raises(AssertionError) as ours:
+        iter(aioload.DataLoader(ds, timeout=1))
+    assert str(ours.value) == str(ref.value)
+
+
+# -- dead workers ----------------------------------------------------------------------------
+
+DEATHS = {
+    "sigkill": (r"DataLoader worker \(pid (\d+)\) is killed by signal: ", -9),
+    "segv": (r"DataLoader worker \(pid (\d+)\) is killed by signal: ", -11),
+    "exit3": (r"DataLoader worker \(pid (\d+)\) exited unexpectedly with exit code 3", 3),
+}
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["transient", "persistent"])
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("how", list(DEATHS))
+def test_dead_worker_raises_fast_and_the_loader_recovers(
+    how: str, api: str, persistent: bool, tmp_path: Path, no_leaks: None
+) -> None:
+    pattern, exitcode = DEATHS[how]
+    marker = tmp_path / "died"
+    n = 10
+    ds = DiesAt(n, at=4, how=how, marker=str(marker))
+    loader = aioload.DataLoader(ds, batch_size=1, num_workers=2, persistent_workers=persistent)
+    exc, before, raised_at = _first_error(loader, api, fatal=True)
+
+    assert type(exc) is aioload.WorkerDiedError
+    assert isinstance(exc, RuntimeError)
+    match = re.search(pattern, str(exc))
+    assert match is not None, str(exc)
+    dead_pid_text, fetch_started_text = marker.read_text().split()
+    dead_pid = int(dead_pid_text)
+    assert int(match.group(1)) == dead_pid
+    assert exc.pid == dead_pid
+    assert exc.exitcode == exitcode
+    assert exc.worker_id == 0  # index 4, batch_size=1: worker 0
+    # Measured from the start of the fatal fetch, in the worker, to the raise.
+    assert raised_at - float(fetch_started_text) < 5.0
+    # Whatever came before the error is a prefix of the epoch, in order.
+    assert _values(before) == [[i] for i in range(len(before))]
+    assert len(before) <= 4
+
+    # The pass is over and every worker is gone, the survivor included.
+    assert _wait_no_children() == []
+
+    # A new pass over the same loader works (the dataset dies only once).
+    out = _epoch(loader, api)
+    assert _values(out) == [[i] for i in range(n)]
+    if persistent:
+        loader.shutdown()
+
+
+# -- argument validation ---------------------------------------------------------------------
+
+
+class Stream(IterableDataset[int]):
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(4))
+
+
+_MAP = Squares(4)
+_STREAM = Stream()
+_SAMPLER = SequentialSampler(range(4))
+
+VALIDATION: dict[str, tuple[Any, dict[str, Any]]] = {
+    "num_workers=-1": (_MAP, {"num_workers": -1}),
+    "timeout=-1": (_MAP, {"timeout": -1}),
+    "prefetch_factor without workers": (_MAP, {"prefetch_factor": 2}),
+    "negative prefetch_factor": (_MAP, {"num_workers": 2, "prefetch_factor": -1}),
+    "persistent_workers without workers": (_MAP, {"persistent_workers": True}),
+    "shuffle with IterableDataset": (_STREAM, {"shuffle": True}),
+    "sampler with IterableDataset": (_STREAM, {"sampler": _SAMPLER}),
+    "batch_sampler with IterableDataset": (_STREAM, {"batch_sampler": [[0, 1]]}),
+    "sampler and shuffle": (_MAP, {"sampler": _SAMPLER, "shuffle": True}),
+    "batch_sampler with batch_size": (_MAP, {"batch_sampler": [[0, 1]], "batch_size": 2}),
+    "batch_sampler with shuffle": (_MAP, {"batch_sampler": [[0, 1]], "shuffle": True}),
+    "batch_sampler with sampler": (_MAP, {"batch_sampler": [[0, 1]], "sampler": _SAMPLER}),
+    "batch_sampler with drop_last": (_MAP, {"batch_sampler": [[0, 1]], "drop_last": True}),
+    "batch_size=None with drop_last": (_MAP, {"batch_size": None, "drop_last": True}),
+    "bad multiprocessing_context string": (
+        _MAP,
+        {"num_workers": 2, "multiprocessing_context": "no-such-method"},
+    ),
+    "multiprocessing_context of a wrong type": (
+        _MAP,
+        {"num_workers": 2, "multiprocessing_context": 3},
+    ),
+    "multiprocessing_context without workers": (_MAP, {"multiprocessing_context": "spawn"}),
+}
+
+
+def _raised(ctor: Callable[..., Any], dataset: Any, kwargs: dict[str, Any]) -> tuple[type, str]:
+    with pytest.raises(Exception) as info:
+        ctor(dataset, **kwargs)
+    return type(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("case", list(VALIDATION))
+def test_argument_validation_matches_torch(case: str) -> None:
+    dataset, kwargs = VALIDATION[case]
+    ref_type, ref_message = _raised(torch.utils.data.DataLoader, dataset, kwargs)
+    our_type, our_message = _raised(aioload.DataLoader, dataset, kwargs)
+    assert ref_type in (ValueError, TypeError)
+    assert (our_type, our_message) == (ref_type, ref_message)
+
+
+@pytest.mark.parametrize(
+    "attr, value",
+    [
+        ("batch_size", 3),
+        ("drop_last", True),
+        ("sampler", _SAMPLER),
+        ("batch_sampler", None),
+        ("dataset", _MAP),
+        ("persistent_workers", True),
+    ],
+)
+def test_setting_locked_attributes_after_init_matches_torch(attr: str, value: Any) -> None:
+    ref = torch.utils.data.DataLoader(_MAP, batch_size=2)
+    ours = aioload.DataLoader(_MAP, batch_size=2)
+    with pytest.raises(ValueError) as ref_info:
+        setattr(ref, attr, value)
+    with pytest.raises(ValueError) as our_info:
+        setattr(ours, attr, value)
+    # torch's message names the class; ours says DataLoader like torch's.
+    assert (
+        str(ref_info.value) == f"{attr} attribute should not be set after DataLoader is initialized"
+    )
+    assert str(our_info.value) == str(ref_info.value)
+    assert ours.batch_size == 2
