@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import anyio
+import anyio._backends._asyncio
 
 from ._pinning import PinStage, Transfer
 from ._workers import Outcome

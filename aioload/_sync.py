@@ -23,6 +23,11 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+# Imported here, with the package, rather than on the first wait: importing uvloop (and anyio's
+# asyncio backend, see _orchestrator) costs ~20 ms, which would otherwise land inside the time
+# to the first batch.
+import uvloop
+
 __all__ = ["run"]
 
 T = TypeVar("T")
@@ -33,10 +38,6 @@ _helper: _LoopThread | None = None
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        return asyncio.new_event_loop
     factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
     return factory
 
