@@ -154,6 +154,15 @@ class Orchestrator:
 
     # -- the one entry point -----------------------------------------------------------------
 
+    def _over(self) -> bool:
+        """Whether the pass is over; raises if it cannot go on (a fatal error, or a second
+        consumer while one is waiting)."""
+        if self._busy:
+            raise RuntimeError("aioload: this iterator is already waiting for a batch")
+        if self._fatal is not None:
+            raise self._fatal
+        return self._finished or self._closed
+
     def step(self) -> Any:
         """Everything that can be done without waiting: send tasks, take in answers, and
         return the next batch if it is already here, END if the pass is over, or PENDING.
@@ -162,11 +171,7 @@ class Orchestrator:
         loop only when it really has to wait: with workers prefetching, most batches are
         already here.
         """
-        if self._busy:
-            raise RuntimeError("aioload: this iterator is already waiting for a batch")
-        if self._fatal is not None:
-            raise self._fatal
-        if self._finished or self._closed:
+        if self._over():
             return END
         if self._source is _NOT_STARTED:
             return PENDING
@@ -202,11 +207,7 @@ class Orchestrator:
 
     async def next(self) -> Any:
         """The next batch, or END when the pass is over."""
-        if self._busy:
-            raise RuntimeError("aioload: this iterator is already waiting for a batch")
-        if self._fatal is not None:
-            raise self._fatal
-        if self._finished or self._closed:
+        if self._over():
             return END
         self._busy = True
         try:
