@@ -21,6 +21,7 @@ __all__ = ["InlineSource"]
 class InlineSource:
     num_workers = 1
     broken: BaseException | None = None
+    stale = False
 
     def __init__(self, spec: WorkerSpec, offload: bool) -> None:
         self.spec = spec

@@ -44,6 +44,7 @@ PENDING: Any = object()
 class _NotStarted:
     num_workers = 0
     broken = None
+    stale = False
 
     def close(self, grace: float = 0.0) -> None:
         pass
@@ -54,6 +55,7 @@ class Source(Protocol):
 
     num_workers: int
     broken: BaseException | None
+    stale: bool
 
     def begin_epoch(self, first: bool) -> int: ...
     def submit(self, worker_id: int, task_id: int, indices: Any) -> None: ...
@@ -230,6 +232,7 @@ class Orchestrator:
                     self._source.kill(stuck)
                     deadline = time.monotonic() + self._timeout
                     continue
+                self._source.stale = True
                 raise self._timeout_error()
             self._busy = True
             try:

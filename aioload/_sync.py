@@ -59,6 +59,9 @@ class _LoopThread:
         except BaseException:
             future.cancel()
             raise
+        finally:
+            # As in run(): the future holds the exception, whose traceback holds this frame.
+            del future
 
 
 def _loop() -> asyncio.AbstractEventLoop:
@@ -101,4 +104,8 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
         with contextlib.suppress(BaseException):
             loop.run_until_complete(task)
         raise
+    finally:
+        # The task holds the exception, whose traceback holds this frame and so the task: a
+        # cycle that would keep the iterator, and its workers, alive until a garbage collection.
+        del task
     return box[0]

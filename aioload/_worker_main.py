@@ -66,6 +66,7 @@ class RemoteError(ExceptionWrapper):
     def __init__(self, worker_id: int) -> None:
         super().__init__(where=f"in DataLoader worker process {worker_id}")  # type: ignore[no-untyped-call]
         self.worker_id = worker_id
+        self.from_init = False
 
     def reraise(self) -> None:
         exc_type: Any = self.exc_type
@@ -78,7 +79,13 @@ class RemoteError(ExceptionWrapper):
             exception = exc_type(msg)
         except Exception:
             raise WorkerError(msg, worker_id=self.worker_id) from None
-        raise exception
+        try:
+            raise exception
+        finally:
+            # This frame is in the exception's traceback: holding the exception in a local
+            # would make a reference cycle, and keep the iterator (and its workers) alive
+            # until the garbage collector runs.
+            del exception
 
 
 @dataclass
@@ -126,6 +133,9 @@ def worker_main(config: WorkerConfig, sock: Any) -> None:
 
 
 class _Worker:
+    # An IterableDataset's __iter__ failed this epoch (init_error: the worker's setup failed).
+    fetch_error: RemoteError | None = None
+
     def __init__(self, config: WorkerConfig, channel: WorkerChannel) -> None:
         self.config = config
         self.channel = channel
@@ -153,10 +163,21 @@ class _Worker:
             )
             if init_fn is not None:
                 init_fn(wid)
-            self._new_fetcher()
         except Exception:
             # Reported as the answer to every task this worker gets, so it reaches the consumer.
             self.init_error = RemoteError(wid)
+            self.init_error.from_init = True
+        else:
+            self._try_new_fetcher()
+
+    def _try_new_fetcher(self) -> None:
+        # An IterableDataset's __iter__ runs here, once per epoch: its failure is this
+        # epoch's, and the next epoch (a "reset") tries again.
+        self.fetch_error = None
+        try:
+            self._new_fetcher()
+        except Exception:
+            self.fetch_error = RemoteError(self.config.worker_id)
 
     def _new_fetcher(self) -> None:
         from torch.utils.data.dataloader import _DatasetKind
@@ -215,17 +236,15 @@ class _Worker:
             elif kind == "reset":
                 if message[1] >= self.generation and self.init_error is None:
                     self.iteration_end = False
-                    try:
-                        self._new_fetcher()
-                    except Exception:
-                        self.init_error = RemoteError(self.config.worker_id)
+                    self._try_new_fetcher()
             elif kind == "stop":
                 return
 
     def _run_task(self, task_id: int, generation: int, indices: Any) -> None:
         wid = self.config.worker_id
-        if self.init_error is not None:
-            self._send(("err", task_id, generation, self.init_error))
+        error = self.init_error or self.fetch_error
+        if error is not None:
+            self._send(("err", task_id, generation, error))
             return
         if self.iteration_end:
             self._send(("end", task_id, generation))

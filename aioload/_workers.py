@@ -130,6 +130,9 @@ class WorkerPool:
         self.generation = 0
         self.closed = False
         self.broken: BaseException | None = None
+        # Usable for this pass, but not for another: a worker whose init failed, or one stuck
+        # in a sample a pass timed out on. A persistent loader starts a fresh pool next pass.
+        self.stale = False
         self.workers: list[_Worker] = []
         # Slabs whose batch the consumer has let go of, from any thread (a lease dies wherever
         # its last reference is dropped, often inside the garbage collector). deque.append is
@@ -327,6 +330,8 @@ class WorkerPool:
         if kind == "pickled":
             return ("ok", pickle.loads(frame[3]))
         if kind == "err":
+            if getattr(frame[3], "from_init", False):
+                self.stale = True
             return ("err", frame[3])
         if kind == "end":
             return ("end", None)

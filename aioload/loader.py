@@ -167,7 +167,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 previous.close()
             owns = False
             pool = self._persistent_pool
-            if pool is not None and not pool.closed and pool.broken is None:
+            if pool is not None and not pool.closed and pool.broken is None and not pool.stale:
                 first_epoch = False
 
                 def make_source() -> Any:
