@@ -69,13 +69,13 @@ class InlineSource:
         result, self.result = self.result, None
         return [result]
 
-    async def wait(self, deadline: float) -> None:
+    async def wait(self, deadline: float) -> bool:
         assert deadline == math.inf
         if self.task is None:
             if self.watched is not None:
                 # Only the pin stage has work: wait for it.
                 await anyio.wait_readable(self.watched)
-            return
+            return True
         if self.offload:
             # Not abandoned on cancel: the fetch finishes (one batch at most) before the
             # cancellation goes on, so two fetches never run at once on one dataset.
@@ -85,6 +85,7 @@ class InlineSource:
         task_id = self.task[0]
         self.task = None
         self.result = (0, task_id, outcome)
+        return True
 
     def _fetch(self, indices: Any) -> Outcome:
         spec = self.spec

@@ -392,14 +392,18 @@ class WorkerPool:
         if self.closed:
             raise RuntimeError("aioload: the worker pool has been shut down")
 
-    async def wait(self, deadline: float) -> None:
+    async def wait(self, deadline: float) -> bool:
         """Wait until something may have arrived, a worker exited, or ``deadline`` (in
-        ``time.monotonic()`` seconds; ``math.inf`` for none) passes."""
+        ``time.monotonic()`` seconds; ``math.inf`` for none) passes. False when nothing woke
+        us: only then is a health check worth its syscalls, since every worker's death already
+        wakes us through its sentinel."""
         budget = min(deadline - time.monotonic(), _HEALTH_CHECK_S)
         if budget <= 0:
-            return
+            return False
         with anyio.move_on_after(budget):
             await anyio.wait_readable(self.selector.fileno())
+            return True
+        return False
 
     def check_health(self) -> None:
         """Catch a worker that exited without its sentinel being seen yet."""
