@@ -41,15 +41,6 @@ END: Any = _End()
 PENDING: Any = object()
 
 
-class _NotStarted:
-    num_workers = 0
-    broken = None
-    stale = False
-
-    def close(self, grace: float = 0.0) -> None:
-        pass
-
-
 class Source(Protocol):
     """What the orchestrator needs from the worker pool (or from the in-process stand-in)."""
 
@@ -73,7 +64,8 @@ class Source(Protocol):
     def close(self, grace: float = ...) -> None: ...
 
 
-_NOT_STARTED: Any = _NotStarted()
+# The source before the first next() starts it (every use checks for this first).
+_NOT_STARTED: Any = object()
 
 
 class PassResources:
@@ -108,7 +100,6 @@ class Orchestrator:
         first_epoch: bool,
         iterable_len: int | None,
         dataset: Any,
-        is_iterable: bool,
         num_workers: int,
         offload_start: bool,
         transfer: Transfer | None = None,
@@ -132,7 +123,6 @@ class Orchestrator:
         self._owns_source = owns_source
         self._iterable_len = iterable_len
         self._dataset = dataset
-        self._is_iterable = is_iterable
 
         self._send_idx = 0  # id of the next task to send
         self._rcvd_idx = 0  # id of the next task to yield (in order)
@@ -378,8 +368,8 @@ class Orchestrator:
         # (a broken persistent pool too: the loader builds a fresh one next epoch).
         self._fatal = error
         self._closed = True
-        self._close_source()
-        self._source.close()
+        self._close_source()  # the pin stage, and the pool if this pass owns it
+        self._source.close()  # a persistent pool too: it is broken
         raise error
 
     # -- shutdown ----------------------------------------------------------------------------

@@ -260,10 +260,14 @@ class WorkerPool:
                     worker.channel.queue(("free", slab_ids))
         for worker in self.workers:
             if worker.channel.outbox and not worker.channel.closed:
-                # A closed channel's death is reported through its sentinel.
-                with contextlib.suppress(ChannelClosed):
-                    worker.channel.pump_out()
-                self._watch_writable(worker)
+                self._pump_out(worker)
+
+    def _pump_out(self, worker: _Worker) -> None:
+        """Write what fits of a worker's outbox, and watch for writability while some is left."""
+        # A closed channel's death is reported through its sentinel.
+        with contextlib.suppress(ChannelClosed):
+            worker.channel.pump_out()
+        self._watch_writable(worker)
 
     def _watch_writable(self, worker: _Worker) -> None:
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if worker.channel.outbox else 0)
@@ -286,9 +290,7 @@ class WorkerPool:
                 dead.append(worker)
                 continue
             if mask & selectors.EVENT_WRITE:
-                with contextlib.suppress(ChannelClosed):
-                    worker.channel.pump_out()
-                self._watch_writable(worker)
+                self._pump_out(worker)
             if mask & selectors.EVENT_READ:
                 self._read(worker, results)
         for worker in dead:

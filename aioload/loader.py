@@ -203,7 +203,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             first_epoch=first_epoch,
             iterable_len=self._IterableDataset_len_called,
             dataset=self.dataset,
-            is_iterable=isinstance(self.dataset, IterableDataset),
             num_workers=max(1, self.num_workers),
             offload_start=offload_inline and self.num_workers > 0,
             transfer=transfer,
