@@ -17,8 +17,11 @@ pytestmark = pytest.mark.timeout(60)
 SCRIPT = Path(__file__).parent / "scripts" / "interrupted.py"
 
 
+# Three attempts each: a Ctrl-C that landed at an unlucky point inside the event loop once hung
+# the sync front end's unwind about one time in ten.
+@pytest.mark.parametrize("attempt", range(3))
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_sigint_in_consumer(mode: str) -> None:
+def test_sigint_in_consumer(mode: str, attempt: int) -> None:
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), mode],
         stdout=subprocess.PIPE,
