@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 
+from ._fetch import Fetcher, PassPlan
 from ._workers import Outcome, WorkerSpec
 
 __all__ = ["InlineSource"]
@@ -31,8 +32,15 @@ class InlineSource:
         self.result: tuple[int, int, Outcome] | None = None
         self.generation = 0
         self.watched: int | None = None
+        self.plan = PassPlan()
+        self.stream_states: dict[int, tuple[int, Any]] = {}
 
-    def begin_epoch(self, first: bool) -> int:
+    def begin_epoch(self, first: bool, plans: list[PassPlan]) -> int:
+        # The fetcher (and an IterableDataset's iterator) is made on the first fetch, in the
+        # thread that fetches, as torch makes it lazily too.
+        self.plan = plans[0]
+        self.fetcher = None
+        self.stream_states.clear()
         return self.generation
 
     def submit(self, worker_id: int, task_id: int, indices: Any) -> None:
@@ -79,28 +87,31 @@ class InlineSource:
         if self.offload:
             # Not abandoned on cancel: the fetch finishes (one batch at most) before the
             # cancellation goes on, so two fetches never run at once on one dataset.
-            outcome = await anyio.to_thread.run_sync(self._fetch, self.task[1])
+            outcome = await anyio.to_thread.run_sync(self._fetch, *self.task)
         else:
-            outcome = self._fetch(self.task[1])
+            outcome = self._fetch(*self.task)
         task_id = self.task[0]
         self.task = None
         self.result = (0, task_id, outcome)
         return True
 
-    def _fetch(self, indices: Any) -> Outcome:
+    def _fetch(self, task_id: int, indices: Any) -> Outcome:
         spec = self.spec
         try:
             if self.fetcher is None:
-                from torch.utils.data.dataloader import _DatasetKind
-
-                self.fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
+                self.fetcher = Fetcher(
                     spec.dataset_kind,
                     spec.dataset,
                     spec.auto_collation,
                     spec.collate_fn,
                     spec.drop_last,
+                    self.plan,
+                    in_calling_process=True,
                 )
-            return ("ok", self.fetcher.fetch(indices))
+            batch = self.fetcher.fetch(indices)
+            if self.fetcher.iterable:
+                self.stream_states[task_id] = (self.fetcher.samples_seen, self.fetcher.state())
+            return ("ok", batch)
         except StopIteration as exc:
             if spec.dataset_kind == 1:
                 return ("end", None)

@@ -14,7 +14,6 @@ torch, and datasets with per-worker random augmentation produce the same batches
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 import warnings
@@ -25,7 +24,9 @@ from typing import Any, Protocol
 import anyio
 import anyio._backends._asyncio
 
+from ._fetch import PassPlan
 from ._pinning import PinStage, Transfer
+from ._resume import PassProgress, StreamPoint, YieldedPositions
 from ._workers import Outcome
 from .errors import DataLoaderTimeoutError
 
@@ -47,8 +48,9 @@ class Source(Protocol):
     num_workers: int
     broken: BaseException | None
     stale: bool
+    stream_states: dict[int, tuple[int, Any]]
 
-    def begin_epoch(self, first: bool) -> int: ...
+    def begin_epoch(self, first: bool, plans: list[PassPlan]) -> int: ...
     def submit(self, worker_id: int, task_id: int, indices: Any) -> None: ...
     def flush(self) -> None: ...
     def poll(self) -> list[tuple[int, int, Outcome]]: ...
@@ -102,6 +104,10 @@ class Orchestrator:
         dataset: Any,
         num_workers: int,
         offload_start: bool,
+        plans: list[PassPlan],
+        progress: PassProgress,
+        skip: YieldedPositions | None = None,
+        start: int = 0,
         transfer: Transfer | None = None,
     ) -> None:
         # The source (worker pool) is built on the first next(): under ``async for`` that runs
@@ -115,7 +121,11 @@ class Orchestrator:
         self._prefetch = prefetch
         self._offload_start = offload_start
         self._first_epoch = first_epoch
-        self._sampler_iter = sampler_iter
+        self._plans = plans
+        # Batches leave through _deliver, which records them here for state_dict().
+        self.progress = progress
+        # (sampler position, indices); positions a resumed pass had already yielded skipped.
+        self._sampler_iter = _positions(sampler_iter, skip, start)
         self._num_workers = num_workers
         self._capacity = prefetch * num_workers
         self._in_order = in_order
@@ -128,17 +138,24 @@ class Orchestrator:
         self._rcvd_idx = 0  # id of the next task to yield (in order)
         # Tasks sent and not yet answered: task id -> (worker id, indices).
         self._inflight: dict[int, tuple[int, Any]] = {}
+        # Tasks sent and not yet yielded: task id -> (worker id, sampler position, where the
+        # worker's IterableDataset stream stood after it, once answered).
+        self._assigned: dict[int, tuple[int, int, StreamPoint | None]] = {}
+        # Task ids handed to the pin stage, in order (it keeps order).
+        self._staged: deque[int] = deque()
         # Answered, waiting for their turn (in order): task id -> (worker id, outcome).
         self._reorder_buffer: dict[int, tuple[int, Outcome]] = {}
-        # Answered, in arrival order (in_order=False).
-        self._completed: deque[tuple[int, Outcome]] = deque()
+        # Answered, in arrival order (in_order=False): (task id, worker id, outcome).
+        self._completed: deque[tuple[int, int, Outcome]] = deque()
         # Tasks between "sent" and "yielded or skipped", the quantity prefetch bounds.
         self._unyielded = 0
         self._per_worker = [0] * self._num_workers
-        self._active = [True] * self._num_workers
-        self._worker_cycle = itertools.cycle(range(self._num_workers))
+        # A resumed IterableDataset pass: streams that had run dry stay so.
+        self._active = [not progress.streams[w].ended for w in range(self._num_workers)]
+        # torch's round robin; a resumed IterableDataset pass starts where the last one was.
+        self._next_worker = progress.next_worker % self._num_workers
         self._sampler_done = False
-        self._num_yielded = 0
+        self._num_yielded = len(progress.yielded)
         self._fatal: BaseException | None = None
         self._finished = False
         self._closed = False
@@ -179,21 +196,23 @@ class Orchestrator:
         if stage is None:
             ready = self._pop_ready()
             if ready is not None:
-                return self._deliver(ready)
+                return self._deliver(*ready)
         else:
             stage.drain_wake()
             while stage.has_room():
                 ready = self._pop_ready()
                 if ready is None:
                     break
-                stage.submit(ready)
+                self._staged.append(ready[0])
+                stage.submit(ready[1])
             staged = stage.take()
             if staged is not None:
-                return self._deliver(staged)
+                return self._deliver(self._staged.popleft(), staged)
             if stage.pending:
                 return PENDING
         if not self._inflight and (self._sampler_done or not any(self._active)):
             self._finished = True
+            self.progress.finished = True
             return END
         return PENDING
 
@@ -249,7 +268,7 @@ class Orchestrator:
             # Closed while it was starting (a cancelled, then abandoned iterator).
             self._close_source()
             return
-        source.begin_epoch(self._first_epoch)
+        source.begin_epoch(self._first_epoch, self._plans)
 
     # -- dispatch ----------------------------------------------------------------------------
 
@@ -258,7 +277,8 @@ class Orchestrator:
         # holds fewer than its share of the prefetch budget.
         active = sum(self._active)
         for _ in range(self._num_workers):
-            worker_id = next(self._worker_cycle)
+            worker_id = self._next_worker
+            self._next_worker = (worker_id + 1) % self._num_workers
             if self._active[worker_id] and (
                 self._in_order or self._per_worker[worker_id] < self._capacity // active
             ):
@@ -271,7 +291,7 @@ class Orchestrator:
             if worker_id is None:
                 return
             try:
-                indices = next(self._sampler_iter)
+                position, indices = next(self._sampler_iter)
             except StopIteration:
                 self._sampler_done = True
                 return
@@ -279,6 +299,7 @@ class Orchestrator:
             self._send_idx += 1
             self._source.submit(worker_id, task_id, indices)
             self._inflight[task_id] = (worker_id, indices)
+            self._assigned[task_id] = (worker_id, position, None)
             self._per_worker[worker_id] += 1
             self._unyielded += 1
 
@@ -300,30 +321,61 @@ class Orchestrator:
         if outcome[0] == "end":
             # This worker's IterableDataset copy has run dry for this epoch.
             self._active[worker_id] = False
+        elif self.progress.iterable:
+            stream = self._source.stream_states.pop(task_id, None)
+            if stream is not None:
+                _, position, _ = self._assigned[task_id]
+                point = StreamPoint(stream[0], stream[1] is not None, stream[1])
+                self._assigned[task_id] = (worker_id, position, point)
         if self._in_order:
             self._reorder_buffer[task_id] = (worker_id, outcome)
         else:
-            self._completed.append((worker_id, outcome))
+            self._completed.append((task_id, worker_id, outcome))
 
-    def _pop_ready(self) -> Outcome | None:
+    def _pop_ready(self) -> tuple[int, Outcome] | None:
         while True:
             if self._in_order:
                 entry = self._reorder_buffer.pop(self._rcvd_idx, None)
                 if entry is None:
                     return None
+                task_id = self._rcvd_idx
                 self._rcvd_idx += 1
+                worker_id, outcome = entry
             else:
                 if not self._completed:
                     return None
-                entry = self._completed.popleft()
-            worker_id, outcome = entry
+                task_id, worker_id, outcome = self._completed.popleft()
             self._unyielded -= 1
             if outcome[0] == "end":
+                self._assigned.pop(task_id, None)
+                self.progress.streams[worker_id].ended = True
+                self._note_next_worker(task_id)
                 continue
             self._per_worker[worker_id] -= 1
-            return outcome
+            return task_id, outcome
 
-    def _deliver(self, outcome: Outcome) -> Any:
+    def _note_next_worker(self, task_id: int) -> None:
+        # In order, the batch after this one is task_id + 1: the worker it went to, or (not
+        # sent yet) the one the round robin will pick.
+        following = self._assigned.get(task_id + 1)
+        self.progress.next_worker = following[0] if following else self._next_worker
+
+    def _record_yield(self, task_id: int) -> None:
+        assigned = self._assigned.pop(task_id, None)
+        if assigned is None:
+            return
+        worker_id, position, point = assigned
+        progress = self.progress
+        progress.yielded.add(position)
+        if progress.iterable:
+            if point is not None:
+                progress.streams[worker_id] = point
+            self._note_next_worker(task_id)
+
+    def _deliver(self, task_id: int, outcome: Outcome) -> Any:
+        # Recorded before an error is raised too: a batch whose error reached the consumer
+        # has been delivered, and a resumed pass does not fetch it again.
+        self._record_yield(task_id)
         kind, value = outcome
         if kind == "err":
             # The epoch goes on after this if the caller catches it, as in torch.
@@ -397,6 +449,15 @@ class Orchestrator:
             return
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(self.close)
+
+
+def _positions(
+    sampler_iter: Iterator[Any], skip: YieldedPositions | None, start: int
+) -> Iterator[tuple[int, Any]]:
+    """Number the sampler's batches; on resume, leave out those already yielded."""
+    for position, indices in enumerate(sampler_iter, start):
+        if skip is None or position not in skip:
+            yield position, indices
 
 
 def _short(indices: Any, limit: int = 16) -> str:

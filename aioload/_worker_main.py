@@ -30,6 +30,7 @@ from torch.utils.data._utils.worker import _generate_state
 
 from . import _transport
 from ._channel import ChannelClosed, WorkerChannel
+from ._fetch import Fetcher, PassPlan
 from .errors import WorkerError
 
 __all__ = ["RemoteError", "WorkerConfig", "WorkerInfo", "get_worker_info", "worker_main"]
@@ -44,7 +45,24 @@ class WorkerInfo(torch_worker.WorkerInfo):
     A subclass of torch's WorkerInfo with the same fields (``id``, ``num_workers``, ``seed``,
     ``dataset``); inside an aioload worker, ``torch.utils.data.get_worker_info()`` returns the
     same object, so datasets that shard themselves by worker work unchanged.
+
+    Under ``torch.distributed`` it also carries ``rank`` and ``world_size``, and the worker's
+    place among all workers of all ranks: ``global_id`` (``rank * num_workers + id``) and
+    ``global_num_workers`` (``world_size * num_workers``). An IterableDataset that shards by
+    ``global_id`` gives every sample to exactly one worker of one rank. Without
+    ``torch.distributed`` they equal ``id`` and ``num_workers`` (rank 0 of 1).
     """
+
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def global_id(self) -> int:
+        return self.rank * self.num_workers + self.id
+
+    @property
+    def global_num_workers(self) -> int:
+        return self.world_size * self.num_workers
 
 
 _worker_info: WorkerInfo | None = None
@@ -102,6 +120,8 @@ class WorkerConfig:
     payload: tuple[Any, Any, Any] | bytes
     slab_collate: bool
     max_idle_slabs: int
+    rank: int = 0
+    world_size: int = 1
 
 
 def _set_worker_info(info: WorkerInfo) -> None:
@@ -159,7 +179,14 @@ class _Worker:
                 collate_fn = _transport.slab_collate
             self.collate_fn = collate_fn
             _set_worker_info(
-                WorkerInfo(id=wid, num_workers=config.num_workers, seed=seed, dataset=self.dataset)
+                WorkerInfo(
+                    id=wid,
+                    num_workers=config.num_workers,
+                    seed=seed,
+                    dataset=self.dataset,
+                    rank=config.rank,
+                    world_size=config.world_size,
+                )
             )
             if init_fn is not None:
                 init_fn(wid)
@@ -167,28 +194,25 @@ class _Worker:
             # Reported as the answer to every task this worker gets, so it reaches the consumer.
             self.init_error = RemoteError(wid)
             self.init_error.from_init = True
-        else:
-            self._try_new_fetcher()
+        # The fetcher is made when the pass's plan arrives (the first message, always): an
+        # IterableDataset being resumed must load its state before __iter__ runs.
 
-    def _try_new_fetcher(self) -> None:
+    def _try_new_fetcher(self, plan: PassPlan) -> None:
         # An IterableDataset's __iter__ runs here, once per epoch: its failure is this
         # epoch's, and the next epoch (a "reset") tries again.
         self.fetch_error = None
+        self.fetcher = None
         try:
-            self._new_fetcher()
+            self.fetcher = Fetcher(
+                self.config.dataset_kind,
+                self.dataset,
+                self.config.auto_collation,
+                self.collate_fn,
+                self.config.drop_last,
+                plan,
+            )
         except Exception:
             self.fetch_error = RemoteError(self.config.worker_id)
-
-    def _new_fetcher(self) -> None:
-        from torch.utils.data.dataloader import _DatasetKind
-
-        self.fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
-            self.config.dataset_kind,
-            self.dataset,
-            self.config.auto_collation,
-            self.collate_fn,
-            self.config.drop_last,
-        )
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -236,7 +260,7 @@ class _Worker:
             elif kind == "reset":
                 if message[1] >= self.generation and self.init_error is None:
                     self.iteration_end = False
-                    self._try_new_fetcher()
+                    self._try_new_fetcher(message[2])
             elif kind == "stop":
                 return
 

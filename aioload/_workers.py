@@ -28,6 +28,7 @@ from typing import Any
 import anyio
 
 from ._channel import ChannelClosed, ParentChannel
+from ._fetch import PassPlan
 from ._transport import SlabMappings
 from ._worker_main import WorkerConfig, worker_main
 from .errors import WorkerDiedError
@@ -87,6 +88,8 @@ class WorkerSpec:
     multiprocessing_context: Any
     slab_collate: bool
     max_worker_restarts: int = 0
+    rank: int = 0
+    world_size: int = 1
 
 
 class _Worker:
@@ -145,6 +148,12 @@ class WorkerPool:
         self.max_restarts = spec.max_worker_restarts
         self.restarts_left = spec.max_worker_restarts
         self.restarted: list[int] = []
+        # This pass's plan for each worker (a replacement gets its slot's plan again).
+        self.plans: list[PassPlan] = [PassPlan()] * self.num_workers
+        # IterableDataset streams: where each stood after a task's batch, task id ->
+        # (samples seen, dataset state). The orchestrator takes an entry when it yields the
+        # batch.
+        self.stream_states: dict[int, tuple[int, Any]] = {}
         self._owner_pid = os.getpid()
         _pools.add(self)
         self._start()
@@ -187,6 +196,8 @@ class WorkerPool:
             payload=self._payload,
             slab_collate=spec.slab_collate,
             max_idle_slabs=spec.prefetch_factor + 1,
+            rank=spec.rank,
+            world_size=spec.world_size,
         )
         process = self._ctx.Process(
             target=worker_main,
@@ -224,12 +235,15 @@ class WorkerPool:
 
     # -- tasks -------------------------------------------------------------------------------
 
-    def begin_epoch(self, first: bool) -> int:
+    def begin_epoch(self, first: bool, plans: list[PassPlan]) -> int:
         """Start a new generation (a new pass over the sampler). Answers to tasks of older
-        generations are dropped, and IterableDataset workers re-create their iterator."""
+        generations are dropped, and every worker gets the pass's plan, on which it makes
+        its fetcher (IterableDataset workers re-create their iterator)."""
         self.check_usable()
         self.restarts_left = self.max_restarts
         self.restarted.clear()
+        self.stream_states.clear()
+        self.plans = list(plans)
         # A previous pass's pin stage pipe, if any, is closed by now: forget it.
         for fd in self._watched:
             with contextlib.suppress(KeyError, ValueError, OSError):
@@ -237,8 +251,8 @@ class WorkerPool:
         self._watched.clear()
         if not first:
             self.generation += 1
-            for worker in self.workers:
-                self._queue(worker, ("reset", self.generation))
+        for worker in self.workers:
+            self._queue(worker, ("reset", self.generation, self.plans[worker.worker_id]))
         self.flush()
         return self.generation
 
@@ -337,6 +351,9 @@ class WorkerPool:
             return ("err", frame[3])
         if kind == "end":
             return ("end", None)
+        if kind == "state":
+            self.stream_states[frame[1]] = (frame[3], frame[4])
+            return None
         raise AssertionError(f"unknown frame from worker: {kind!r}")
 
     def _on_death(self, worker: _Worker) -> None:
@@ -364,7 +381,9 @@ class WorkerPool:
                 stacklevel=2,
             )
             self._retire(worker)
-            self.workers[worker.worker_id] = self._spawn(worker.worker_id)
+            replacement = self._spawn(worker.worker_id)
+            self.workers[worker.worker_id] = replacement
+            self._queue(replacement, ("reset", self.generation, self.plans[worker.worker_id]))
             self.restarted.append(worker.worker_id)
             return
         self.broken = WorkerDiedError(

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import itertools
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
 import torch
+import torch.distributed
 import torch.utils.data
-from torch.utils.data import Dataset, IterableDataset, Sampler
+from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
 from . import _sync
+from ._fetch import PassPlan
 from ._inline import InlineSource
 from ._orchestrator import END, PENDING, Orchestrator
 from ._pinning import Transfer, make_transfer
+from ._resume import FORMAT, PassProgress, StreamPoint, YieldedPositions
+from ._resume import set_generator_states as _set_generator_states
 from ._workers import WorkerPool, WorkerSpec
 
 __all__ = ["DataLoader"]
@@ -59,7 +64,32 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         in_order: bool = True,
         device: str | torch.device | None = None,
         max_worker_restarts: int = 0,
+        seed_per_sample: bool = False,
+        shard: str = "auto",
     ) -> None:
+        if shard not in ("auto", "none"):
+            raise ValueError(f"shard option should be 'auto' or 'none', but got shard={shard!r}")
+        # Under torch.distributed, the default sampler becomes this rank's shard. It has to be
+        # decided before torch's __init__, which builds the sampler and then forbids changing
+        # it. A sampler the user passes is theirs, and left alone.
+        self._rank, self._world_size = _distributed_rank()
+        shard_sampler: DistributedSampler[Any] | None = None
+        if (
+            shard == "auto"
+            and self._world_size > 1
+            and sampler is None
+            and batch_sampler is None
+            and not isinstance(dataset, IterableDataset)
+        ):
+            shard_sampler = DistributedSampler(
+                dataset,
+                num_replicas=self._world_size,
+                rank=self._rank,
+                shuffle=bool(shuffle),
+                seed=_shared_shuffle_seed(generator) if shuffle else 0,
+                drop_last=drop_last,
+            )
+            sampler, shuffle = shard_sampler, None
         # torch validates every argument, with its own messages, and builds the samplers.
         super().__init__(
             dataset,
@@ -94,8 +124,129 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 "worker would start its iterator over, so samples would repeat"
             )
         self.max_worker_restarts = max_worker_restarts
+        self.seed_per_sample = bool(seed_per_sample)
+        self.shard = shard
+        self._shard_sampler = shard_sampler
         self._persistent_pool: WorkerPool | None = None
         self._persistent_engine: weakref.ReferenceType[Orchestrator] | None = None
+        # Epochs: the number the next pass gets (set_epoch, or one more than the last pass).
+        self._next_epoch = 0
+        # seed_per_sample's base seed: the first pass's base seed, kept for the loader's life
+        # so that every epoch (and a resumed run) seeds sample i the same way.
+        self._sample_seed: int | None = None
+        # The latest pass, as state_dict() reports it; and a loaded state waiting for the next
+        # pass to pick it up.
+        self._progress: PassProgress | None = None
+        self._pending_resume: PassProgress | None = None
+        self._pending_in_progress = False
+
+    # -- epochs and checkpoints ---------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Number the next pass ``epoch``. Iterating the loader again implies ``epoch + 1``,
+        so calling this is only needed to jump. It reseeds what depends on the epoch: the
+        shard's shuffle under torch.distributed (``DistributedSampler.set_epoch``, also for a
+        sampler you passed that has one) and ``seed_per_sample``."""
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch should be a non-negative integer, but got epoch={epoch!r}")
+        self._next_epoch = epoch
+        set_sampler_epoch = getattr(self.sampler, "set_epoch", None)
+        if self._shard_sampler is None and callable(set_sampler_epoch):
+            set_sampler_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where iteration stands, as plain data (``torch.save``-able, and loadable with
+        ``torch.load(weights_only=True)``).
+
+        Call it between any two batches, in ``for`` or ``async for``. A fresh loader built with
+        the same arguments and given this state by :meth:`load_state_dict` yields exactly the
+        batches the interrupted pass had not yet yielded: same contents, same order (with
+        ``in_order=False``: the same remaining batches). Batches that were prefetched but not
+        yet yielded are fetched again. Between passes, it names the next epoch.
+        """
+        pending = self._pending_resume
+        if pending is not None:
+            progress, in_progress = pending, self._pending_in_progress
+        elif self._progress is not None and not self._progress.finished:
+            progress, in_progress = self._progress, True
+        else:
+            progress = PassProgress(
+                epoch=self._next_epoch,
+                rng=self._rng_snapshot(),
+                sample_seed=self._sample_seed,
+                iterable=self._dataset_kind == 1,
+                num_streams=max(1, self.num_workers),
+            )
+            in_progress = False
+        state = progress.as_dict()
+        state.update(
+            format=FORMAT,
+            in_progress=in_progress,
+            num_workers=self.num_workers,
+            shard_seed=None if self._shard_sampler is None else int(self._shard_sampler.seed),
+            sampler_state=_sampler_state(self.sampler),
+        )
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Make the next pass continue from ``state`` (from :meth:`state_dict` of a loader
+        built with the same arguments; ``num_workers`` may differ for a map-style dataset)."""
+        if not isinstance(state, Mapping) or state.get("format") != FORMAT:
+            raise ValueError(
+                "aioload: load_state_dict expects a state from aioload.DataLoader.state_dict()"
+            )
+        progress = PassProgress.from_dict(dict(state))
+        iterable = self._dataset_kind == 1
+        if progress.iterable != iterable:
+            raise ValueError(
+                "aioload: the state was saved for a "
+                f"{'n iterable' if progress.iterable else ' map-style'} dataset, this loader has "
+                f"a{'n iterable' if iterable else ' map-style'} one"
+            )
+        if (
+            iterable
+            and bool(state["in_progress"])
+            and len(progress.streams) != max(1, self.num_workers)
+        ):
+            raise ValueError(
+                f"aioload: the state was saved with num_workers={state['num_workers']}; an "
+                "IterableDataset's streams are per worker, so resume it with the same number"
+            )
+        if self._shard_sampler is not None and state.get("shard_seed") is not None:
+            self._shard_sampler.seed = int(state["shard_seed"])
+        if state.get("sampler_state") is not None:
+            self.sampler.load_state_dict(state["sampler_state"])  # type: ignore[attr-defined]
+        if progress.sample_seed is not None:
+            self._sample_seed = progress.sample_seed
+        if not bool(state["in_progress"]):
+            progress.yielded = YieldedPositions()
+            progress.streams = [StreamPoint() for _ in range(max(1, self.num_workers))]
+            progress.next_worker = 0
+        self._next_epoch = progress.epoch
+        self._pending_resume = progress
+        self._pending_in_progress = bool(state["in_progress"])
+
+    def _generators(self) -> list[torch.Generator]:
+        """The random generators the sampler order is drawn from (the loader's, and any the
+        samplers hold), each once."""
+        found: list[torch.Generator] = []
+        candidates = [self.generator, self.sampler, self.batch_sampler]
+        candidates += [getattr(self.batch_sampler, "sampler", None)]
+        for candidate in candidates:
+            generator = (
+                candidate
+                if isinstance(candidate, torch.Generator)
+                else getattr(candidate, "generator", None)
+            )
+            if isinstance(generator, torch.Generator) and all(g is not generator for g in found):
+                found.append(generator)
+        return found
+
+    def _rng_snapshot(self) -> dict[str, Any]:
+        return {
+            "torch": torch.get_rng_state(),
+            "generators": [generator.get_state() for generator in self._generators()],
+        }
 
     # -- the two doors -----------------------------------------------------------------------
 
@@ -121,6 +272,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             # Stack straight into the shared-memory slab when the collate is torch's default.
             slab_collate=self.collate_fn is default_collate,
             max_worker_restarts=self.max_worker_restarts,
+            rank=self._rank,
+            world_size=self._world_size,
         )
 
     def _draw_base_seed(self) -> int:
@@ -146,15 +299,79 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
 
     def _engine(self, offload_inline: bool) -> Orchestrator:
         transfer = self._transfer()
-        # torch's order of RNG use: iter(sampler), then the base seed, then sampling.
-        sampler_iter = iter(self._index_sampler)
+        epoch = self._next_epoch
+        self._next_epoch = epoch + 1
+        if self._shard_sampler is not None:
+            self._shard_sampler.set_epoch(epoch)
+        resume, self._pending_resume = self._pending_resume, None
+        in_progress = resume is not None and self._pending_in_progress
+        persistent_pool = self._persistent_pool if self.persistent_workers else None
+        reuse_pool = (
+            self.num_workers > 0
+            and persistent_pool is not None
+            and not persistent_pool.closed
+            and persistent_pool.broken is None
+            and not persistent_pool.stale
+        )
+        # The pass's randomness is drawn here, at its start, and nowhere else: the sampler's
+        # order (torch's samplers draw on their first next(), hence the priming) and the base
+        # seed. Recording the RNG states just before makes the pass replayable; a resumed pass
+        # replays them, and then gives the caller back their own global RNG untouched.
+        snapshot = resume.rng if resume is not None else self._rng_snapshot()
+        callers_rng = torch.get_rng_state() if resume is not None else None
+        try:
+            if resume is not None:
+                torch.set_rng_state(snapshot["torch"])
+                _set_generator_states(self._generators(), snapshot["generators"])
+            # torch's order of RNG use: iter(sampler), then the base seed, then sampling.
+            sampler_iter = iter(self._index_sampler)
+            base_seed = None if reuse_pool else self._draw_base_seed()
+            sampler_iter = _primed(sampler_iter)
+        finally:
+            if callers_rng is not None:
+                torch.set_rng_state(callers_rng)
+        if self._sample_seed is None and base_seed is not None:
+            self._sample_seed = base_seed
+
+        iterable = self._dataset_kind == 1
+        streams = max(1, self.num_workers)
+        progress = PassProgress(
+            epoch=epoch,
+            rng=snapshot,
+            sample_seed=self._sample_seed if self.seed_per_sample else None,
+            iterable=iterable,
+            num_streams=streams,
+        )
+        skip: YieldedPositions | None = None
+        if resume is not None and in_progress:
+            if iterable:
+                progress.streams = [StreamPoint(**vars(point)) for point in resume.streams]
+                progress.next_worker = resume.next_worker
+                # Positions mean nothing to an IterableDataset; only the count goes on.
+                progress.yielded = YieldedPositions(len(resume.yielded))
+            else:
+                progress.yielded = resume.yielded.copy()
+                skip = resume.yielded
+        self._progress = progress
+        plans = [
+            PassPlan(
+                epoch=epoch,
+                sample_seed=progress.sample_seed,
+                samples_seen=point.samples_seen,
+                has_state=point.has_state,
+                dataset_state=point.state,
+                ended=point.ended,
+                stream_id=self._rank * streams + worker_id,
+            )
+            for worker_id, point in enumerate(progress.streams)
+        ]
+
         first_epoch = True
         spec = self._spec()
         make_source: Callable[[], Any]
         if self.num_workers == 0:
             if self.timeout != 0:
                 raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
-            self._draw_base_seed()
             owns = True
 
             def make_source() -> Any:
@@ -166,8 +383,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             if previous is not None:
                 previous.close()
             owns = False
-            pool = self._persistent_pool
-            if pool is not None and not pool.closed and pool.broken is None and not pool.stale:
+            pool = persistent_pool
+            if reuse_pool:
                 first_epoch = False
 
                 def make_source() -> Any:
@@ -177,21 +394,23 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 if pool is not None:
                     pool.close()
                     self._persistent_pool = None
-                base_seed = self._draw_base_seed()
+                assert base_seed is not None
+                new_pool_seed = base_seed
 
                 def make_source() -> Any:
-                    new_pool = WorkerPool(spec, base_seed)
+                    new_pool = WorkerPool(spec, new_pool_seed)
                     self._persistent_pool = new_pool
                     # The workers die with the loader (or at interpreter exit), not with a pass.
                     weakref.finalize(self, new_pool.close)
                     return new_pool
 
         else:
-            base_seed = self._draw_base_seed()
             owns = True
+            assert base_seed is not None
+            pass_seed = base_seed
 
             def make_source() -> Any:
-                return WorkerPool(spec, base_seed)
+                return WorkerPool(spec, pass_seed)
 
         engine = Orchestrator(
             make_source,
@@ -205,6 +424,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             dataset=self.dataset,
             num_workers=max(1, self.num_workers),
             offload_start=offload_inline and self.num_workers > 0,
+            plans=plans,
+            progress=progress,
+            skip=skip,
+            start=len(progress.yielded) if iterable else 0,
             transfer=transfer,
         )
         if owns:
@@ -219,6 +442,45 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         if self._persistent_pool is not None:
             self._persistent_pool.close()
             self._persistent_pool = None
+
+
+def _distributed_rank() -> tuple[int, int]:
+    """(rank, world size) under an initialized torch.distributed, else (0, 1)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _shared_shuffle_seed(generator: torch.Generator | None) -> int:
+    """One shuffle seed for every rank: each rank draws (so all ranks use their RNGs alike),
+    and rank 0's draw is broadcast. A collective: every rank builds its loader, as with
+    DistributedSampler."""
+    drawn = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+    shared: list[Any] = [drawn]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    return int(shared[0])
+
+
+_NOTHING: Any = object()
+
+
+def _primed(sampler_iter: Iterator[Any]) -> Iterator[Any]:
+    """Take the sampler's first batch now, so that the random draws a sampler makes when it
+    starts (torch's make them on the first next()) happen at the pass's start."""
+    first = next(sampler_iter, _NOTHING)
+    if first is _NOTHING:
+        return iter(())
+    return itertools.chain((first,), sampler_iter)
+
+
+def _sampler_state(sampler: Any) -> Any:
+    """A sampler's own state, when it has one (torchdata-style stateful samplers)."""
+    if isinstance(sampler, DistributedSampler):
+        return None  # its order is a function of (seed, epoch), both recorded
+    state_dict = getattr(sampler, "state_dict", None)
+    if callable(state_dict) and callable(getattr(sampler, "load_state_dict", None)):
+        return state_dict()
+    return None
 
 
 def _check_device(device: str | torch.device | None) -> torch.device | None:

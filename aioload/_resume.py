@@ -1,0 +1,154 @@
+"""What a checkpoint records about a pass, and how a pass picks up from one.
+
+A pass is reproducible from three things: the RNG states from which its sampler order (and the
+base seed) were drawn, the epoch number, and what had been *yielded* to the consumer. Batches
+that were prefetched, in flight or sitting in the reorder buffer do not count: on resume they
+are fetched again. So the orchestrator updates a ``PassProgress`` at the one point where a batch
+leaves it, and the loader turns the latest one into ``state_dict()``.
+
+- Map-style: the sampler is re-created from the recorded RNG states and run again, and the
+  positions (batch numbers in sampler order) already yielded are skipped. With
+  ``in_order=False`` the yielded positions are not a prefix; they are kept as a prefix plus the
+  few beyond it, so the state stays small.
+- IterableDataset: each worker's stream is restored on its own. A dataset with
+  ``state_dict``/``load_state_dict`` reports its state after every batch; the state of the last
+  batch *yielded* from each worker is kept. Other datasets are fast-forwarded by the number of
+  samples each stream had yielded.
+
+The state is plain data (ints, lists, dicts, byte tensors), loadable with
+``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["FORMAT", "PassProgress", "StreamPoint", "YieldedPositions"]
+
+FORMAT = "aioload.DataLoader/1"
+
+
+class YieldedPositions:
+    """The batch positions (in sampler order) of a pass that have been yielded."""
+
+    __slots__ = ("extra", "prefix")
+
+    def __init__(self, prefix: int = 0, extra: set[int] | None = None) -> None:
+        self.prefix = prefix  # every position below this one was yielded
+        self.extra: set[int] = set(extra or ())  # and these, above it
+
+    def add(self, position: int) -> None:
+        if position == self.prefix:
+            self.prefix += 1
+            while self.prefix in self.extra:
+                self.extra.remove(self.prefix)
+                self.prefix += 1
+        elif position > self.prefix:
+            self.extra.add(position)
+
+    def __contains__(self, position: int) -> bool:
+        return position < self.prefix or position in self.extra
+
+    def __len__(self) -> int:
+        return self.prefix + len(self.extra)
+
+    def copy(self) -> YieldedPositions:
+        return YieldedPositions(self.prefix, self.extra)
+
+
+@dataclass
+class StreamPoint:
+    """Where one worker's IterableDataset stream stood after its last yielded batch."""
+
+    samples_seen: int = 0
+    has_state: bool = False
+    state: Any = None
+    ended: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "samples_seen": self.samples_seen,
+            "has_state": self.has_state,
+            "state": self.state,
+            "ended": self.ended,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StreamPoint:
+        return cls(
+            samples_seen=int(data["samples_seen"]),
+            has_state=bool(data["has_state"]),
+            state=data["state"],
+            ended=bool(data["ended"]),
+        )
+
+
+@dataclass
+class PassProgress:
+    """One pass as a checkpoint sees it. The orchestrator updates it as batches are yielded;
+    the loader holds it (not the orchestrator, which may be gone) for ``state_dict()``."""
+
+    epoch: int
+    # RNG states taken just before the pass drew its sampler order and base seed.
+    rng: dict[str, Any]
+    sample_seed: int | None
+    iterable: bool
+    num_streams: int
+    yielded: YieldedPositions = field(default_factory=YieldedPositions)
+    streams: list[StreamPoint] = field(default_factory=list)
+    # IterableDataset, in order: the worker the next batch was (or will be) asked of.
+    next_worker: int = 0
+    finished: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.streams:
+            self.streams = [StreamPoint() for _ in range(self.num_streams)]
+
+    @property
+    def batches_yielded(self) -> int:
+        return len(self.yielded)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "rng": self.rng,
+            "sample_seed": self.sample_seed,
+            "iterable": self.iterable,
+            "yielded_prefix": self.yielded.prefix,
+            "yielded_extra": sorted(self.yielded.extra),
+            "streams": [point.as_dict() for point in self.streams],
+            "next_worker": self.next_worker,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PassProgress:
+        streams = [StreamPoint.from_dict(point) for point in data["streams"]]
+        return cls(
+            epoch=int(data["epoch"]),
+            rng=data["rng"],
+            sample_seed=None if data["sample_seed"] is None else int(data["sample_seed"]),
+            iterable=bool(data["iterable"]),
+            num_streams=len(streams),
+            yielded=YieldedPositions(
+                int(data["yielded_prefix"]), {int(p) for p in data["yielded_extra"]}
+            ),
+            streams=streams,
+            next_worker=int(data["next_worker"]),
+        )
+
+
+def generator_states(generators: list[torch.Generator]) -> list[torch.Tensor]:
+    return [generator.get_state() for generator in generators]
+
+
+def set_generator_states(generators: list[torch.Generator], states: list[Any]) -> None:
+    if len(states) != len(generators):
+        raise ValueError(
+            f"aioload: the state was saved with {len(states)} random generator(s) in the "
+            f"sampler, this loader has {len(generators)}; build it with the same arguments"
+        )
+    for generator, state in zip(generators, states, strict=True):
+        generator.set_state(state)
