@@ -97,6 +97,9 @@ class PassProgress:
     sample_seed: int | None
     iterable: bool
     num_streams: int
+    # Whether the pass drew a base seed from those RNGs (it does not when it reuses a
+    # persistent pool): a replay must draw exactly as the original did.
+    drew_base_seed: bool = True
     yielded: YieldedPositions = field(default_factory=YieldedPositions)
     streams: list[StreamPoint] = field(default_factory=list)
     # IterableDataset, in order: the worker the next batch was (or will be) asked of.
@@ -117,6 +120,7 @@ class PassProgress:
             "rng": self.rng,
             "sample_seed": self.sample_seed,
             "iterable": self.iterable,
+            "drew_base_seed": self.drew_base_seed,
             "yielded_prefix": self.yielded.prefix,
             "yielded_extra": sorted(self.yielded.extra),
             "streams": [point.as_dict() for point in self.streams],
@@ -132,6 +136,7 @@ class PassProgress:
             sample_seed=None if data["sample_seed"] is None else int(data["sample_seed"]),
             iterable=bool(data["iterable"]),
             num_streams=len(streams),
+            drew_base_seed=bool(data["drew_base_seed"]),
             yielded=YieldedPositions(
                 int(data["yielded_prefix"]), {int(p) for p in data["yielded_extra"]}
             ),

@@ -299,6 +299,17 @@ class _Worker:
                 self.pool.release(arena.slab.id)
             self._send(("err", task_id, generation, RemoteError(wid)))
             return
+        if self.config.dataset_kind == 1:
+            # Where this stream stands after the batch, sent ahead of it: a checkpoint taken
+            # after the batch is yielded resumes from exactly here.
+            try:
+                state = self.fetcher.state()
+            except Exception:
+                if arena is not None:
+                    self.pool.release(arena.slab.id)
+                self._send(("err", task_id, generation, RemoteError(wid)))
+                return
+            self._send(("state", task_id, generation, self.fetcher.samples_seen, state))
         self._send_batch(task_id, generation, data, arena)
 
     def _send_batch(self, task_id: int, generation: int, data: Any, arena: Any) -> None:

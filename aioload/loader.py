@@ -176,6 +176,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 sample_seed=self._sample_seed,
                 iterable=self._dataset_kind == 1,
                 num_streams=max(1, self.num_workers),
+                drew_base_seed=not self._pool_reusable(),
             )
             in_progress = False
         state = progress.as_dict()
@@ -222,9 +223,29 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             progress.yielded = YieldedPositions()
             progress.streams = [StreamPoint() for _ in range(max(1, self.num_workers))]
             progress.next_worker = 0
+        skipped = sum(point.samples_seen for point in progress.streams if not point.has_state)
+        if skipped:
+            warnings.warn(
+                f"aioload: {type(self.dataset).__name__} has no state_dict()/load_state_dict(), "
+                f"so it is resumed by fast-forward: its streams re-read and drop the {skipped} "
+                "sample(s) they had yielded. Define both methods to resume without re-reading.",
+                UserWarning,
+                stacklevel=2,
+            )
         self._next_epoch = progress.epoch
         self._pending_resume = progress
         self._pending_in_progress = bool(state["in_progress"])
+
+    def _pool_reusable(self) -> bool:
+        """Whether the next pass runs on the live persistent pool (and so draws no seed)."""
+        pool = self._persistent_pool if self.persistent_workers else None
+        return (
+            self.num_workers > 0
+            and pool is not None
+            and not pool.closed
+            and pool.broken is None
+            and not pool.stale
+        )
 
     def _generators(self) -> list[torch.Generator]:
         """The random generators the sampler order is drawn from (the loader's, and any the
@@ -306,13 +327,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         resume, self._pending_resume = self._pending_resume, None
         in_progress = resume is not None and self._pending_in_progress
         persistent_pool = self._persistent_pool if self.persistent_workers else None
-        reuse_pool = (
-            self.num_workers > 0
-            and persistent_pool is not None
-            and not persistent_pool.closed
-            and persistent_pool.broken is None
-            and not persistent_pool.stale
-        )
+        reuse_pool = self._pool_reusable()
+        # A pass draws a base seed unless it reuses a persistent pool; a replayed pass draws
+        # from the recorded RNGs exactly as the original did (a pool it must start anyway gets
+        # its seed from the caller's RNG afterwards).
+        replay_draw = resume.drew_base_seed if resume is not None else not reuse_pool
         # The pass's randomness is drawn here, at its start, and nowhere else: the sampler's
         # order (torch's samplers draw on their first next(), hence the priming) and the base
         # seed. Recording the RNG states just before makes the pass replayable; a resumed pass
@@ -325,11 +344,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 _set_generator_states(self._generators(), snapshot["generators"])
             # torch's order of RNG use: iter(sampler), then the base seed, then sampling.
             sampler_iter = iter(self._index_sampler)
-            base_seed = None if reuse_pool else self._draw_base_seed()
+            base_seed = self._draw_base_seed() if replay_draw else None
             sampler_iter = _primed(sampler_iter)
         finally:
             if callers_rng is not None:
                 torch.set_rng_state(callers_rng)
+        if reuse_pool:
+            base_seed = None
+        elif base_seed is None:
+            base_seed = self._draw_base_seed()
         if self._sample_seed is None and base_seed is not None:
             self._sample_seed = base_seed
 
@@ -341,6 +364,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             sample_seed=self._sample_seed if self.seed_per_sample else None,
             iterable=iterable,
             num_streams=streams,
+            drew_base_seed=replay_draw,
         )
         skip: YieldedPositions | None = None
         if resume is not None and in_progress:
