@@ -5,12 +5,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint bench bench-gpu test-gpu soak unit clean
+.PHONY: install run test lint docs bench bench-gpu test-gpu soak unit clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip -c constraints.txt
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,dev,bench]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,dev,bench,docs]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -23,10 +23,15 @@ lint: install
 	$(VENV)/bin/ruff format --check aioload tests examples
 	$(VENV)/bin/mypy --strict aioload
 
+# The docs site (mkdocs-material, API pages from docstrings) into site/; --strict fails on any
+# warning. NO_MKDOCS_2_WARNING silences mkdocs-material's banner about MkDocs 2.0 (we pin <2).
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 unit: install
 	$(PY) -m pytest
 
-test: lint unit
+test: lint docs unit
 
 bench: install
 	$(PY) -m aioload.bench
@@ -43,4 +48,4 @@ test-gpu: install
 	$(PY) -m pytest tests/gpu -rs
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build site *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -29,10 +29,10 @@ T_co = TypeVar("T_co", covariant=True)
 
 
 class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
-    """A drop-in replacement for :class:`torch.utils.data.DataLoader`.
+    """A drop-in replacement for ``torch.utils.data.DataLoader``.
 
     Same arguments, defaults, validation and results as torch's loader (it is a subclass, so
-    ``isinstance(loader, torch.utils.data.DataLoader)`` holds), plus ``async for``::
+    ``isinstance(loader, torch.utils.data.DataLoader)`` holds), plus ``async for``:
 
         loader = aioload.DataLoader(ds, batch_size=64, num_workers=8)
         for batch in loader: ...          # classic scripts
