@@ -28,6 +28,7 @@ import anyio._backends._asyncio
 from ._pinning import PinStage, Transfer
 from ._workers import Outcome
 from .errors import DataLoaderTimeoutError
+from .stats import PassStats
 
 __all__ = ["END", "PENDING", "Orchestrator"]
 
@@ -47,6 +48,8 @@ class Source(Protocol):
     num_workers: int
     broken: BaseException | None
     stale: bool
+    # Where answers of this pass report their workers' fetch times.
+    stats: PassStats | None
 
     def begin_epoch(self, first: bool) -> int: ...
     def submit(self, worker_id: int, task_id: int, indices: Any) -> None: ...
@@ -103,6 +106,7 @@ class Orchestrator:
         num_workers: int,
         offload_start: bool,
         transfer: Transfer | None = None,
+        stats: PassStats | None = None,
     ) -> None:
         # The source (worker pool) is built on the first next(): under ``async for`` that runs
         # in a thread, because forking workers takes milliseconds each and must not hold the
@@ -123,6 +127,7 @@ class Orchestrator:
         self._owns_source = owns_source
         self._iterable_len = iterable_len
         self._dataset = dataset
+        self.stats = stats if stats is not None else PassStats(num_workers, False, False)
 
         self._send_idx = 0  # id of the next task to send
         self._rcvd_idx = 0  # id of the next task to yield (in order)
@@ -239,10 +244,12 @@ class Orchestrator:
         else:
             source = self._make_source()
         self._source = source
+        source.stats = self.stats
         if self._owns_source:
             self.owned.source = source
         if self._transfer is not None:
             self._stage = PinStage(self._transfer, depth=self._prefetch)
+            self._stage.stats = self.stats
             self.owned.stage = self._stage
             source.watch(self._stage.wake_r)
         if self._closed:
@@ -288,6 +295,7 @@ class Orchestrator:
         """A replaced worker's unanswered tasks go to its successor, with the same task ids: the
         reorder buffer neither loses nor duplicates a batch. (Answers its predecessor sent
         before dying were taken in first.)"""
+        self.stats.restarted(worker_id)
         for task_id in sorted(self._inflight):
             owner, indices = self._inflight[task_id]
             if owner == worker_id:
@@ -295,8 +303,10 @@ class Orchestrator:
         self._source.flush()
 
     def _accept(self, worker_id: int, task_id: int, outcome: Outcome) -> None:
-        if self._inflight.pop(task_id, None) is None:
+        sent = self._inflight.pop(task_id, None)
+        if sent is None:
             return
+        self.stats.answered(outcome, sent[1])
         if outcome[0] == "end":
             # This worker's IterableDataset copy has run dry for this epoch.
             self._active[worker_id] = False
@@ -319,18 +329,27 @@ class Orchestrator:
             worker_id, outcome = entry
             self._unyielded -= 1
             if outcome[0] == "end":
+                self.stats.dropped(outcome)
                 continue
             self._per_worker[worker_id] -= 1
+            self.stats.handed(outcome)
             return outcome
 
     def _deliver(self, outcome: Outcome) -> Any:
         kind, value = outcome
+        samples = self.stats.delivering()
         if kind == "err":
             # The epoch goes on after this if the caller catches it, as in torch.
             value.reraise()
         if kind == "raise":
             raise value
         self._num_yielded += 1
+        self.stats.yielded(
+            value,
+            samples,
+            in_flight=len(self._inflight),
+            waiting=len(self._reorder_buffer) + len(self._completed),
+        )
         if self._iterable_len is not None and self._num_yielded > self._iterable_len:
             warn_msg = (
                 f"Length of IterableDataset {self._dataset} was reported to be "
@@ -368,6 +387,7 @@ class Orchestrator:
         # (a broken persistent pool too: the loader builds a fresh one next epoch).
         self._fatal = error
         self._closed = True
+        self.stats.end()
         self._close_source()  # the pin stage, and the pool if this pass owns it
         self._source.close()  # a persistent pool too: it is broken
         raise error
@@ -380,6 +400,7 @@ class Orchestrator:
 
     def close(self) -> None:
         """Release what this pass owns. Safe to call more than once, and from ``__del__``."""
+        self.stats.end()
         if self._closed:
             return
         self._closed = True

@@ -31,6 +31,7 @@ from ._channel import ChannelClosed, ParentChannel
 from ._transport import SlabMappings
 from ._worker_main import WorkerConfig, worker_main
 from .errors import WorkerDiedError
+from .stats import PassStats
 
 __all__ = ["Outcome", "WorkerPool"]
 
@@ -145,6 +146,8 @@ class WorkerPool:
         self.max_restarts = spec.max_worker_restarts
         self.restarts_left = spec.max_worker_restarts
         self.restarted: list[int] = []
+        # The current pass's counters (set by its orchestrator).
+        self.stats: PassStats | None = None
         self._owner_pid = os.getpid()
         _pools.add(self)
         self._start()
@@ -317,6 +320,10 @@ class WorkerPool:
     def _decode(self, worker: _Worker, frame: tuple[Any, ...]) -> Outcome | None:
         kind, _task_id, generation = frame[0], frame[1], frame[2]
         worker.mappings.drop(frame[-1])
+        if generation == self.generation and self.stats is not None:
+            # Every answer carries the seconds its worker spent on the task, before the
+            # dropped-slabs list (see _worker_main._Worker._send).
+            self.stats.fetched(worker.worker_id, frame[-2])
         if kind == "ok":
             slab_id, capacity, used, payload, leaves = frame[3:8]
             if capacity:

@@ -12,11 +12,12 @@ import torch.utils.data
 from torch.utils.data import Dataset, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
-from . import _sync
+from . import _progress, _sync
 from ._inline import InlineSource
 from ._orchestrator import END, PENDING, Orchestrator
 from ._pinning import Transfer, make_transfer
 from ._workers import WorkerPool, WorkerSpec
+from .stats import LoaderStats, PassStats, empty_stats
 
 __all__ = ["DataLoader"]
 
@@ -59,6 +60,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         in_order: bool = True,
         device: str | torch.device | None = None,
         max_worker_restarts: int = 0,
+        progress: bool = False,
     ) -> None:
         # torch validates every argument, with its own messages, and builds the samplers.
         super().__init__(
@@ -94,16 +96,26 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 "worker would start its iterator over, so samples would repeat"
             )
         self.max_worker_restarts = max_worker_restarts
+        # Every pass draws a tqdm bar (batches/s, live data-bound %); see aioload.progress.
+        self.progress = progress
         self._persistent_pool: WorkerPool | None = None
         self._persistent_engine: weakref.ReferenceType[Orchestrator] | None = None
+        # The counters of the newest pass (kept after it ends, for stats()).
+        self._pass_stats: PassStats | None = None
 
     # -- the two doors -----------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        return _SyncIterator(self._engine(offload_inline=False), len_fn=self.__len__)
+        iterator = _SyncIterator(self._engine(offload_inline=False), len_fn=self.__len__)
+        if self.progress:
+            return _progress.wrap_sync(iterator, self, {})
+        return iterator
 
     def __aiter__(self) -> AsyncIterator[Any]:
-        return _AsyncIterator(self._engine(offload_inline=True))
+        iterator = _AsyncIterator(self._engine(offload_inline=True))
+        if self.progress:
+            return _progress.wrap_async(iterator, self, {})
+        return iterator
 
     # -- one engine --------------------------------------------------------------------------
 
@@ -193,6 +205,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             def make_source() -> Any:
                 return WorkerPool(spec, base_seed)
 
+        self._pass_stats = PassStats(
+            max(1, self.num_workers),
+            in_process=self.num_workers == 0,
+            # An IterableDataset's last batches may be short: count what each one holds.
+            count_from_batch=isinstance(self.dataset, IterableDataset) and self._auto_collation,
+        )
         engine = Orchestrator(
             make_source,
             sampler_iter=sampler_iter,
@@ -206,6 +224,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             num_workers=max(1, self.num_workers),
             offload_start=offload_inline and self.num_workers > 0,
             transfer=transfer,
+            stats=self._pass_stats,
         )
         if owns:
             # Also on garbage collection of an abandoned pass (``break``, ``del``) and at exit.
@@ -213,6 +232,17 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         else:
             self._persistent_engine = weakref.ref(engine)
         return engine
+
+    def stats(self) -> LoaderStats:
+        """A snapshot of the current pass, or of the last one if none is running (an empty one
+        before the first): batches, samples, the data-bound share of the consumer's time, each
+        worker's busy fraction, fetch-time percentiles and restarts, queue depths and pin time.
+
+        ``print(loader.stats())`` shows a table; ``loader.stats().as_dict()`` is for loggers.
+        """
+        if self._pass_stats is None:
+            return empty_stats(self.num_workers)
+        return self._pass_stats.snapshot()
 
     def shutdown(self) -> None:
         """Stop persistent workers now rather than when the loader is collected."""
@@ -262,9 +292,14 @@ class _SyncIterator:
         return self
 
     def __next__(self) -> Any:
-        batch = self._engine.step()
-        if batch is PENDING:
-            batch = _sync.run(self._engine.next())
+        stats = self._engine.stats
+        entered = stats.enter()
+        try:
+            batch = self._engine.step()
+            if batch is PENDING:
+                batch = _sync.run(self._engine.next())
+        finally:
+            stats.leave(entered)
         if batch is END:
             self._engine.close()
             raise StopIteration
@@ -291,7 +326,12 @@ class _AsyncIterator:
         return self
 
     async def __anext__(self) -> Any:
-        batch = await self._engine.next()
+        stats = self._engine.stats
+        entered = stats.enter()
+        try:
+            batch = await self._engine.next()
+        finally:
+            stats.leave(entered)
         if batch is END:
             await self._engine.aclose()
             raise StopAsyncIteration
