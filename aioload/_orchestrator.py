@@ -251,12 +251,16 @@ class Orchestrator:
             self._stage = PinStage(self._transfer, depth=self._prefetch)
             self._stage.stats = self.stats
             self.owned.stage = self._stage
-            source.watch(self._stage.wake_r)
         if self._closed:
             # Closed while it was starting (a cancelled, then abandoned iterator).
             self._close_source()
             return
         source.begin_epoch(self._first_epoch)
+        if self._stage is not None:
+            # After begin_epoch, which forgets the pipes watched for earlier passes: watched
+            # before it, this pass's pipe was dropped too, and each batch through the stage
+            # then waited for the 1 s health-check bound instead of the stage's wake-up.
+            source.watch(self._stage.wake_r)
 
     # -- dispatch ----------------------------------------------------------------------------
 
