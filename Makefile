@@ -10,13 +10,15 @@ STAMP := $(VENV)/.installed-stamp
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip -c constraints.txt
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,dev,bench,docs]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,dev,bench,docs,examples]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
+# The main demo: JPEGs decoded and augmented by workers, a small CNN trained with `async for`,
+# then loader.stats() and images/s next to torch's DataLoader.
 run: install
-	$(PY) examples/quickstart.py
+	$(PY) examples/train_images.py
 
 lint: install
 	$(VENV)/bin/ruff check aioload tests examples

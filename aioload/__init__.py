@@ -2,20 +2,26 @@
 
 from torch.utils.data import default_collate, default_convert
 
+from ._progress import Progress, progress
 from ._worker_main import WorkerInfo, get_worker_info
 from .errors import DataLoaderTimeoutError, LoaderError, WorkerDiedError, WorkerError
 from .loader import DataLoader
+from .stats import LoaderStats, WorkerStats
 
 __all__ = [
     "DataLoader",
     "DataLoaderTimeoutError",
     "LoaderError",
+    "LoaderStats",
+    "Progress",
     "WorkerDiedError",
     "WorkerError",
     "WorkerInfo",
+    "WorkerStats",
     "default_collate",
     "default_convert",
     "get_worker_info",
+    "progress",
 ]
 
 __version__ = "0.1.0"

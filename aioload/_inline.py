@@ -9,12 +9,14 @@ on the private loop, which has nothing else to do.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import anyio
 
 from ._fetch import Fetcher, PassPlan
 from ._workers import Outcome, WorkerSpec
+from .stats import PassStats
 
 __all__ = ["InlineSource"]
 
@@ -23,6 +25,7 @@ class InlineSource:
     num_workers = 1
     broken: BaseException | None = None
     stale = False
+    stats: PassStats | None = None
 
     def __init__(self, spec: WorkerSpec, offload: bool) -> None:
         self.spec = spec
@@ -84,12 +87,16 @@ class InlineSource:
                 # Only the pin stage has work: wait for it.
                 await anyio.wait_readable(self.watched)
             return True
+        started = time.perf_counter()
         if self.offload:
             # Not abandoned on cancel: the fetch finishes (one batch at most) before the
             # cancellation goes on, so two fetches never run at once on one dataset.
             outcome = await anyio.to_thread.run_sync(self._fetch, *self.task)
         else:
             outcome = self._fetch(*self.task)
+        if self.stats is not None:
+            # The calling process is the one "worker" here.
+            self.stats.fetched(0, time.perf_counter() - started)
         task_id = self.task[0]
         self.task = None
         self.result = (0, task_id, outcome)

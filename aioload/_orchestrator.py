@@ -29,6 +29,7 @@ from ._pinning import PinStage, Transfer
 from ._resume import PassProgress, StreamPoint, YieldedPositions
 from ._workers import Outcome
 from .errors import DataLoaderTimeoutError
+from .stats import PassStats
 
 __all__ = ["END", "PENDING", "Orchestrator"]
 
@@ -49,6 +50,8 @@ class Source(Protocol):
     broken: BaseException | None
     stale: bool
     stream_states: dict[int, tuple[int, Any]]
+    # Where answers of this pass report their workers' fetch times.
+    stats: PassStats | None
 
     def begin_epoch(self, first: bool, plans: list[PassPlan]) -> int: ...
     def submit(self, worker_id: int, task_id: int, indices: Any) -> None: ...
@@ -109,6 +112,7 @@ class Orchestrator:
         skip: YieldedPositions | None = None,
         start: int = 0,
         transfer: Transfer | None = None,
+        stats: PassStats | None = None,
     ) -> None:
         # The source (worker pool) is built on the first next(): under ``async for`` that runs
         # in a thread, because forking workers takes milliseconds each and must not hold the
@@ -133,6 +137,7 @@ class Orchestrator:
         self._owns_source = owns_source
         self._iterable_len = iterable_len
         self._dataset = dataset
+        self.stats = stats if stats is not None else PassStats(num_workers, False, False)
 
         self._send_idx = 0  # id of the next task to send
         self._rcvd_idx = 0  # id of the next task to yield (in order)
@@ -258,17 +263,23 @@ class Orchestrator:
         else:
             source = self._make_source()
         self._source = source
+        source.stats = self.stats
         if self._owns_source:
             self.owned.source = source
         if self._transfer is not None:
             self._stage = PinStage(self._transfer, depth=self._prefetch)
+            self._stage.stats = self.stats
             self.owned.stage = self._stage
-            source.watch(self._stage.wake_r)
         if self._closed:
             # Closed while it was starting (a cancelled, then abandoned iterator).
             self._close_source()
             return
         source.begin_epoch(self._first_epoch, self._plans)
+        if self._stage is not None:
+            # After begin_epoch, which forgets the pipes watched for earlier passes: watched
+            # before it, this pass's pipe was dropped too, and each batch through the stage
+            # then waited for the 1 s health-check bound instead of the stage's wake-up.
+            source.watch(self._stage.wake_r)
 
     # -- dispatch ----------------------------------------------------------------------------
 
@@ -309,6 +320,7 @@ class Orchestrator:
         """A replaced worker's unanswered tasks go to its successor, with the same task ids: the
         reorder buffer neither loses nor duplicates a batch. (Answers its predecessor sent
         before dying were taken in first.)"""
+        self.stats.restarted(worker_id)
         for task_id in sorted(self._inflight):
             owner, indices = self._inflight[task_id]
             if owner == worker_id:
@@ -316,8 +328,10 @@ class Orchestrator:
         self._source.flush()
 
     def _accept(self, worker_id: int, task_id: int, outcome: Outcome) -> None:
-        if self._inflight.pop(task_id, None) is None:
+        sent = self._inflight.pop(task_id, None)
+        if sent is None:
             return
+        self.stats.answered(outcome, sent[1])
         if outcome[0] == "end":
             # This worker's IterableDataset copy has run dry for this epoch.
             self._active[worker_id] = False
@@ -350,8 +364,10 @@ class Orchestrator:
                 self._assigned.pop(task_id, None)
                 self.progress.streams[worker_id].ended = True
                 self._note_next_worker(task_id)
+                self.stats.dropped(outcome)
                 continue
             self._per_worker[worker_id] -= 1
+            self.stats.handed(outcome)
             return task_id, outcome
 
     def _note_next_worker(self, task_id: int) -> None:
@@ -377,12 +393,19 @@ class Orchestrator:
         # has been delivered, and a resumed pass does not fetch it again.
         self._record_yield(task_id)
         kind, value = outcome
+        samples = self.stats.delivering()
         if kind == "err":
             # The epoch goes on after this if the caller catches it, as in torch.
             value.reraise()
         if kind == "raise":
             raise value
         self._num_yielded += 1
+        self.stats.yielded(
+            value,
+            samples,
+            in_flight=len(self._inflight),
+            waiting=len(self._reorder_buffer) + len(self._completed),
+        )
         if self._iterable_len is not None and self._num_yielded > self._iterable_len:
             warn_msg = (
                 f"Length of IterableDataset {self._dataset} was reported to be "
@@ -420,6 +443,7 @@ class Orchestrator:
         # (a broken persistent pool too: the loader builds a fresh one next epoch).
         self._fatal = error
         self._closed = True
+        self.stats.end()
         self._close_source()  # the pin stage, and the pool if this pass owns it
         self._source.close()  # a persistent pool too: it is broken
         raise error
@@ -432,6 +456,7 @@ class Orchestrator:
 
     def close(self) -> None:
         """Release what this pass owns. Safe to call more than once, and from ``__del__``."""
+        self.stats.end()
         if self._closed:
             return
         self._closed = True

@@ -25,12 +25,14 @@ import contextlib
 import os
 import queue
 import threading
+import time
 from typing import Any
 
 import torch
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
 from ._workers import Outcome
+from .stats import PassStats
 
 __all__ = ["CudaTransfer", "PinStage", "PinTransfer", "Transfer", "make_transfer"]
 
@@ -162,6 +164,8 @@ class PinStage:
         self._inbox: queue.SimpleQueue[tuple[int, Outcome] | None] = queue.SimpleQueue()
         self._done: dict[int, Outcome] = {}
         self._lock = threading.Lock()
+        # The pass's counters, if any; written from the stage's thread only.
+        self.stats: PassStats | None = None
         self._next_in = 0
         self._next_out = 0
         self.wake_r, self._wake_w = os.pipe()
@@ -217,8 +221,11 @@ class PinStage:
                 if setup_error is not None:
                     outcome = ("raise", setup_error)
                 else:
+                    started = time.perf_counter()
                     try:
                         outcome = ("staged", self.transfer.run(outcome[1]))
+                        if self.stats is not None:
+                            self.stats.transferred(time.perf_counter() - started)
                     except Exception as exc:
                         # Reaches the consumer in order, like a dataset error.
                         outcome = ("raise", exc)

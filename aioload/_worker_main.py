@@ -18,6 +18,7 @@ import pickle
 import random
 import select
 import signal
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -166,6 +167,7 @@ class _Worker:
         self.init_error: RemoteError | None = None
         self.iteration_end = False
         self.parent_pid = os.getppid()
+        self.task_started = 0.0
         self.poller = select.poll()
         self.poller.register(channel.sock.fileno(), select.POLLIN)
 
@@ -265,6 +267,7 @@ class _Worker:
                 return
 
     def _run_task(self, task_id: int, generation: int, indices: Any) -> None:
+        self.task_started = time.perf_counter()
         wid = self.config.worker_id
         error = self.init_error or self.fetch_error
         if error is not None:
@@ -360,5 +363,7 @@ class _Worker:
                 os.close(fd)
 
     def _send(self, message: tuple[Any, ...], fds: list[int] | None = None) -> None:
-        # Slabs this worker retired ride along, so the parent can unmap them too.
-        self.channel.send((*message, self.pool.take_dropped()), fds)
+        # Slabs this worker retired ride along, so the parent can unmap them too; before them,
+        # the seconds spent on this task (fetch, collate, copy into the slab), for the stats.
+        busy_s = time.perf_counter() - self.task_started
+        self.channel.send((*message, busy_s, self.pool.take_dropped()), fds)

@@ -32,6 +32,7 @@ from ._fetch import PassPlan
 from ._transport import SlabMappings
 from ._worker_main import WorkerConfig, worker_main
 from .errors import WorkerDiedError
+from .stats import PassStats
 
 __all__ = ["Outcome", "WorkerPool"]
 
@@ -154,6 +155,8 @@ class WorkerPool:
         # (samples seen, dataset state). The orchestrator takes an entry when it yields the
         # batch.
         self.stream_states: dict[int, tuple[int, Any]] = {}
+        # The current pass's counters (set by its orchestrator).
+        self.stats: PassStats | None = None
         self._owner_pid = os.getpid()
         _pools.add(self)
         self._start()
@@ -331,6 +334,11 @@ class WorkerPool:
     def _decode(self, worker: _Worker, frame: tuple[Any, ...]) -> Outcome | None:
         kind, _task_id, generation = frame[0], frame[1], frame[2]
         worker.mappings.drop(frame[-1])
+        if kind != "state" and generation == self.generation and self.stats is not None:
+            # Every answer carries the seconds its worker spent on the task, before the
+            # dropped-slabs list (see _worker_main._Worker._send). (A "state" frame precedes
+            # its task's answer and is not one.)
+            self.stats.fetched(worker.worker_id, frame[-2])
         if kind == "ok":
             slab_id, capacity, used, payload, leaves = frame[3:8]
             if capacity:

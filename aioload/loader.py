@@ -14,7 +14,7 @@ import torch.utils.data
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
-from . import _sync
+from . import _progress, _sync
 from ._fetch import PassPlan
 from ._inline import InlineSource
 from ._orchestrator import END, PENDING, Orchestrator
@@ -22,6 +22,7 @@ from ._pinning import Transfer, make_transfer
 from ._resume import FORMAT, PassProgress, StreamPoint, YieldedPositions
 from ._resume import set_generator_states as _set_generator_states
 from ._workers import WorkerPool, WorkerSpec
+from .stats import LoaderStats, PassStats, empty_stats
 
 __all__ = ["DataLoader"]
 
@@ -66,6 +67,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         max_worker_restarts: int = 0,
         seed_per_sample: bool = False,
         shard: str = "auto",
+        progress: bool = False,
     ) -> None:
         if shard not in ("auto", "none"):
             raise ValueError(f"shard option should be 'auto' or 'none', but got shard={shard!r}")
@@ -127,8 +129,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         self.seed_per_sample = bool(seed_per_sample)
         self.shard = shard
         self._shard_sampler = shard_sampler
+        # Every pass draws a tqdm bar (batches/s, live data-bound %); see aioload.progress.
+        self.progress = progress
         self._persistent_pool: WorkerPool | None = None
         self._persistent_engine: weakref.ReferenceType[Orchestrator] | None = None
+        # The counters of the newest pass (kept after it ends, for stats()).
+        self._pass_stats: PassStats | None = None
         # Epochs: the number the next pass gets (set_epoch, or one more than the last pass).
         self._next_epoch = 0
         # seed_per_sample's base seed: the first pass's base seed, kept for the loader's life
@@ -136,7 +142,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         self._sample_seed: int | None = None
         # The latest pass, as state_dict() reports it; and a loaded state waiting for the next
         # pass to pick it up.
-        self._progress: PassProgress | None = None
+        self._latest_pass: PassProgress | None = None
         self._pending_resume: PassProgress | None = None
         self._pending_in_progress = False
 
@@ -167,8 +173,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         pending = self._pending_resume
         if pending is not None:
             progress, in_progress = pending, self._pending_in_progress
-        elif self._progress is not None and not self._progress.finished:
-            progress, in_progress = self._progress, True
+        elif self._latest_pass is not None and not self._latest_pass.finished:
+            progress, in_progress = self._latest_pass, True
         else:
             progress = PassProgress(
                 epoch=self._next_epoch,
@@ -272,10 +278,16 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
     # -- the two doors -----------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        return _SyncIterator(self._engine(offload_inline=False), len_fn=self.__len__)
+        iterator = _SyncIterator(self._engine(offload_inline=False), len_fn=self.__len__)
+        if self.progress:
+            return _progress.wrap_sync(iterator, self, {})
+        return iterator
 
     def __aiter__(self) -> AsyncIterator[Any]:
-        return _AsyncIterator(self._engine(offload_inline=True))
+        iterator = _AsyncIterator(self._engine(offload_inline=True))
+        if self.progress:
+            return _progress.wrap_async(iterator, self, {})
+        return iterator
 
     # -- one engine --------------------------------------------------------------------------
 
@@ -376,7 +388,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             else:
                 progress.yielded = resume.yielded.copy()
                 skip = resume.yielded
-        self._progress = progress
+        self._latest_pass = progress
         plans = [
             PassPlan(
                 epoch=epoch,
@@ -436,6 +448,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             def make_source() -> Any:
                 return WorkerPool(spec, pass_seed)
 
+        self._pass_stats = PassStats(
+            max(1, self.num_workers),
+            in_process=self.num_workers == 0,
+            # An IterableDataset's last batches may be short: count what each one holds.
+            count_from_batch=isinstance(self.dataset, IterableDataset) and self._auto_collation,
+        )
         engine = Orchestrator(
             make_source,
             sampler_iter=sampler_iter,
@@ -453,6 +471,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             skip=skip,
             start=len(progress.yielded) if iterable else 0,
             transfer=transfer,
+            stats=self._pass_stats,
         )
         if owns:
             # Also on garbage collection of an abandoned pass (``break``, ``del``) and at exit.
@@ -460,6 +479,17 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         else:
             self._persistent_engine = weakref.ref(engine)
         return engine
+
+    def stats(self) -> LoaderStats:
+        """A snapshot of the current pass, or of the last one if none is running (an empty one
+        before the first): batches, samples, the data-bound share of the consumer's time, each
+        worker's busy fraction, fetch-time percentiles and restarts, queue depths and pin time.
+
+        ``print(loader.stats())`` shows a table; ``loader.stats().as_dict()`` is for loggers.
+        """
+        if self._pass_stats is None:
+            return empty_stats(self.num_workers)
+        return self._pass_stats.snapshot()
 
     def shutdown(self) -> None:
         """Stop persistent workers now rather than when the loader is collected."""
@@ -548,9 +578,14 @@ class _SyncIterator:
         return self
 
     def __next__(self) -> Any:
-        batch = self._engine.step()
-        if batch is PENDING:
-            batch = _sync.run(self._engine.next())
+        stats = self._engine.stats
+        entered = stats.enter()
+        try:
+            batch = self._engine.step()
+            if batch is PENDING:
+                batch = _sync.run(self._engine.next())
+        finally:
+            stats.leave(entered)
         if batch is END:
             self._engine.close()
             raise StopIteration
@@ -577,7 +612,12 @@ class _AsyncIterator:
         return self
 
     async def __anext__(self) -> Any:
-        batch = await self._engine.next()
+        stats = self._engine.stats
+        entered = stats.enter()
+        try:
+            batch = await self._engine.next()
+        finally:
+            stats.leave(entered)
         if batch is END:
             await self._engine.aclose()
             raise StopAsyncIteration

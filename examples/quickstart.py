@@ -1,13 +1,15 @@
 """Quickstart: the same synthetic dataset read with ``async for`` and with ``for``.
 
-Run it with ``make run``. It prints batches/s for both aioload modes and for
-torch.utils.data.DataLoader on the same data, so you can see the difference on your machine.
+Run it with ``python examples/quickstart.py``. It prints batches/s for both aioload modes and
+for torch.utils.data.DataLoader on the same data, so you can see the difference on your machine.
+With ``AIOLOAD_EXAMPLE_SMALL=1`` it runs on 2,000 samples (the examples test does this).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import time
 from typing import Any
 
@@ -15,6 +17,8 @@ import torch
 from torch.utils.data import Dataset
 
 import aioload
+
+SMALL = os.environ.get("AIOLOAD_EXAMPLE_SMALL", "") not in ("", "0")
 
 
 class SyntheticImages(Dataset[dict[str, Any]]):
@@ -55,7 +59,7 @@ async def run_async(loader: Any) -> tuple[int, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--samples", type=int, default=20_000)
+    parser.add_argument("--samples", type=int, default=2_000 if SMALL else 20_000)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()

@@ -248,3 +248,21 @@ def test_pin_transfer_honours_custom_pin_memory_methods() -> None:
     result = PinTransfer(None).run({"a": [Custom(1), Custom(2)], "b": "text"})
     assert [c.pinned for c in result["a"]] == [True, True]
     assert result["b"] == "text"
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_stage_wakes_the_orchestrator(
+    marking: list[Marking], persistent: bool, no_leaks: None
+) -> None:
+    # Each batch through the stage must reach the consumer when the stage is done with it,
+    # not when the orchestrator's 1 s health-check wait runs out.
+    loader = aioload.DataLoader(
+        Numbers(24), batch_size=4, num_workers=2, persistent_workers=persistent
+    )
+    try:
+        for _ in range(2):
+            started = time.monotonic()
+            assert len(list(loader)) == 6
+            assert time.monotonic() - started < 0.9
+    finally:
+        loader.shutdown()

@@ -976,6 +976,7 @@ def _fake_worker(pool: _transport.WorkerSlabPool, batch: Any) -> Any:
     worker.init_error = None
     worker.iteration_end = False
     worker.fetcher = SimpleNamespace(fetch=lambda indices: _transport.slab_collate(batch))
+    worker.task_started = 0.0
     return worker
 
 

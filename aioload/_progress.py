@@ -1,0 +1,176 @@
+"""A tqdm bar over a loader, for ``for`` and ``async for``: batches/s and the live data-bound %.
+
+``aioload.progress(loader)`` wraps any iterable loader (torch's too, without the data-bound
+figure); ``DataLoader(..., progress=True)`` wraps every pass of that loader. The bar is closed
+when the pass ends, fails, or is abandoned (``break``), so no half-drawn bar is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from tqdm import tqdm
+
+from .stats import PassStats
+
+__all__ = ["Progress", "progress"]
+
+# How often the data-bound figure is recomputed for the bar. tqdm itself redraws at most every
+# 0.1 s; the postfix changes slowly, and this keeps its cost off most batches.
+_POSTFIX_INTERVAL_S = 0.5
+
+
+class _Bar:
+    """One bar for one pass."""
+
+    def __init__(self, total: int | None, stats: PassStats | None, options: dict[str, Any]) -> None:
+        settings: dict[str, Any] = {"unit": "batch", "dynamic_ncols": True}
+        settings.update(options)
+        self.bar = tqdm(total=total, **settings)
+        self.stats = stats
+        self.next_postfix = 0.0
+        self.closed = False
+
+    def tick(self) -> None:
+        self.bar.update(1)
+        if self.stats is not None:
+            now = time.monotonic()
+            if now >= self.next_postfix:
+                self.next_postfix = now + _POSTFIX_INTERVAL_S
+                self._show_data_bound()
+
+    def _show_data_bound(self) -> None:
+        assert self.stats is not None
+        pct = self.stats.data_bound_pct()
+        if pct is not None:
+            self.bar.set_postfix_str(f"data-bound {pct:.0f}%", refresh=False)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.stats is not None:
+            self._show_data_bound()  # the final figure stays on the closed bar
+        self.bar.close()
+
+
+def _total(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:  # an IterableDataset without __len__
+        return None
+
+
+class _SyncProgress:
+    def __init__(self, inner: Iterator[Any], bar: _Bar) -> None:
+        self._inner = inner
+        self._bar = bar
+
+    def __iter__(self) -> _SyncProgress:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            batch = next(self._inner)
+        except BaseException:
+            # The end of the pass (StopIteration) or an error: the bar is done either way.
+            self._bar.close()
+            raise
+        self._bar.tick()
+        return batch
+
+    def close(self) -> None:
+        self._bar.close()
+        close = getattr(self._inner, "close", None)
+        if close is not None:
+            close()
+
+    def __del__(self) -> None:
+        # ``break`` drops the iterator: close the bar with it (not at interpreter exit, where
+        # tqdm's own machinery may be gone already).
+        with contextlib.suppress(Exception):
+            self._bar.close()
+
+
+class _AsyncProgress:
+    def __init__(self, inner: AsyncIterator[Any], bar: _Bar) -> None:
+        self._inner = inner
+        self._bar = bar
+
+    def __aiter__(self) -> _AsyncProgress:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            batch = await self._inner.__anext__()
+        except BaseException:
+            self._bar.close()
+            raise
+        self._bar.tick()
+        return batch
+
+    async def aclose(self) -> None:
+        self._bar.close()
+        aclose = getattr(self._inner, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+    async def __aenter__(self) -> _AsyncProgress:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self._bar.close()
+
+
+def wrap_sync(inner: Iterator[Any], loader: Any, options: dict[str, Any]) -> _SyncProgress:
+    # The pass's counters exist once its iterator does (aioload loaders only).
+    stats = getattr(loader, "_pass_stats", None)
+    return _SyncProgress(inner, _Bar(_total(loader), stats, options))
+
+
+def wrap_async(inner: AsyncIterator[Any], loader: Any, options: dict[str, Any]) -> _AsyncProgress:
+    stats = getattr(loader, "_pass_stats", None)
+    return _AsyncProgress(inner, _Bar(_total(loader), stats, options))
+
+
+class Progress:
+    """What :func:`progress` returns: iterate it with ``for`` or ``async for``."""
+
+    def __init__(self, loader: Any, options: dict[str, Any]) -> None:
+        self.loader = loader
+        self.options = options
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        inner: Iterator[Any] = iter(self.loader)
+        if getattr(self.loader, "progress", False) is True:
+            return inner  # the loader draws its own bar already
+        return wrap_sync(inner, self.loader, self.options)
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        inner: AsyncIterator[Any] = self.loader.__aiter__()
+        if getattr(self.loader, "progress", False) is True:
+            return inner
+        return wrap_async(inner, self.loader, self.options)
+
+
+def progress(loader: Any, **tqdm_options: Any) -> Progress:
+    """Iterate ``loader`` with a tqdm progress bar showing batches/s and, for an aioload loader,
+    the live data-bound % (the share of the loop's time spent waiting for data)::
+
+        for batch in aioload.progress(loader): ...
+        async for batch in aioload.progress(loader, desc="train"): ...
+
+    ``tqdm_options`` go to ``tqdm`` (``desc``, ``leave``, ``position``, ``file``, ...). The
+    total is ``len(loader)`` where the loader has one.
+    """
+    return Progress(loader, tqdm_options)

@@ -1,0 +1,359 @@
+"""Counters and the data-bound report: is the training loop waiting for data?
+
+One :class:`PassStats` belongs to each pass over a loader (one iterator). The front ends time
+the consumer, the worker pool feeds it each worker's fetch time (measured inside the worker and
+sent with its answer), the orchestrator counts yielded batches, samples, restarts and queue
+depths, and the pin stage times its transfers. ``DataLoader.stats()`` turns the newest pass's
+counters into a :class:`LoaderStats` snapshot: plain numbers, a table for ``print`` and a dict
+for loggers.
+
+Collection is on the per-batch path, so it is kept to a few additions and ``perf_counter``
+calls per batch; everything derived (rates, percentiles) is computed only when a snapshot is
+taken. Memory does not grow with the length of a pass: fetch times are kept in a bounded
+reservoir per worker.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["LoaderStats", "PassStats", "WorkerStats"]
+
+# Fetch times kept per worker for percentiles. Up to this many tasks the percentiles are exact;
+# beyond it, each later time replaces a kept one with the probability that keeps the sample
+# uniform over the whole pass (reservoir sampling).
+RESERVOIR_SIZE = 1024
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """One worker slot (a replacement worker keeps its predecessor's slot)."""
+
+    worker_id: int
+    tasks: int
+    busy_s: float
+    # Time spent on tasks over the wall time of the pass so far (0..1).
+    busy_fraction: float
+    # Percentiles of the time a task took in the worker (fetch, collate, copy into shared
+    # memory), in seconds; None before the first task.
+    fetch_p50_s: float | None
+    fetch_p90_s: float | None
+    fetch_p99_s: float | None
+    restarts: int
+
+
+@dataclass(frozen=True)
+class LoaderStats:
+    """A snapshot of one pass over a loader: ``print(loader.stats())`` or ``.as_dict()``.
+
+    ``data_bound_pct`` answers "is my training data-bound?": the share of the consumer's time
+    spent waiting inside ``next()`` for a batch, against the time it spent on each batch
+    between two ``next()`` calls. Near 100 %, the loop waits on data (more workers, cheaper
+    samples); near 0 %, the data is ready before the loop asks for it.
+    """
+
+    # Whether the pass has begun and is still open (not exhausted nor closed).
+    running: bool
+    batches: int
+    samples: int
+    # From the consumer's first ``next()`` to its last return: waiting_s + between_s.
+    elapsed_s: float
+    waiting_s: float
+    between_s: float
+    # 100 * waiting_s / elapsed_s; None before the first batch.
+    data_bound_pct: float | None
+    batches_per_s: float | None
+    samples_per_s: float | None
+    # Tasks sent and not yet answered, and answers waiting for their turn (reordering, or the
+    # pin stage), when the last batch was handed over; and their means over the pass.
+    in_flight: int
+    waiting_in_order: int
+    in_flight_mean: float | None
+    waiting_in_order_mean: float | None
+    # The pin / host-to-device stage (zero when the pass has none).
+    pin_batches: int
+    pin_s: float
+    # The calling process counts as worker 0 when num_workers=0.
+    in_process: bool
+    workers: list[WorkerStats] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data (numbers, None, lists and dicts) for loggers and ``json.dumps``."""
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return _table(self)
+
+
+class _WorkerCounter:
+    __slots__ = ("busy_s", "fetch_times", "restarts", "tasks")
+
+    def __init__(self) -> None:
+        self.tasks = 0
+        self.busy_s = 0.0
+        self.restarts = 0
+        self.fetch_times: list[float] = []
+
+
+class PassStats:
+    """The mutable counters of one pass. Not thread-safe beyond what the GIL gives single
+    attribute updates: each counter has one writer (the consumer's thread, or the pin stage's
+    thread for ``pin_*``)."""
+
+    def __init__(self, num_workers: int, in_process: bool, count_from_batch: bool) -> None:
+        self.in_process = in_process
+        # For an IterableDataset the last batch of each worker may be short: its size is read
+        # off the batch. Otherwise it is the number of indices of the task.
+        self._count_from_batch = count_from_batch
+        self.workers = [_WorkerCounter() for _ in range(num_workers)]
+        self._reservoir_rng = random.Random(0)  # never the user's global RNG
+        self.started: float | None = None
+        self.last_return: float | None = None
+        self.last_answer: float | None = None
+        self.ended_at: float | None = None
+        self.finished = False
+        self.waiting_s = 0.0
+        self.between_s = 0.0
+        self.batches = 0
+        self.samples = 0
+        self.in_flight = 0
+        self.waiting_in_order = 0
+        self._in_flight_sum = 0
+        self._waiting_sum = 0
+        self.pin_batches = 0
+        self.pin_s = 0.0
+        # Sample counts travel beside their outcome: keyed by the outcome's identity while it
+        # waits in the reorder buffer, then in hand-over order through the pin stage.
+        self._sizes: dict[int, int] = {}
+        self._handed: deque[int] = deque()
+
+    # -- the consumer (front ends) ------------------------------------------------------------
+
+    def enter(self) -> float:
+        """The consumer asks for a batch; returns the time, for ``leave``."""
+        now = time.perf_counter()
+        if self.finished:
+            return now  # asking again after the end: not part of the pass
+        if self.last_return is not None:
+            self.between_s += now - self.last_return
+        elif self.started is None:
+            self.started = now
+        return now
+
+    def leave(self, entered: float) -> None:
+        """A batch (or the end) reached the consumer."""
+        if self.finished:
+            return
+        now = time.perf_counter()
+        self.waiting_s += now - entered
+        self.last_return = now
+
+    def end(self) -> None:
+        """The pass is over: time after this is not between batches."""
+        if self.finished:
+            return
+        self.finished = True
+        self.ended_at = self.last_return
+        self.last_return = None
+
+    # -- workers ------------------------------------------------------------------------------
+
+    def fetched(self, worker_id: int, seconds: float) -> None:
+        """A worker answered a task of this pass after working on it for ``seconds``."""
+        counter = self.workers[worker_id]
+        counter.tasks += 1
+        counter.busy_s += seconds
+        times = counter.fetch_times
+        if len(times) < RESERVOIR_SIZE:
+            times.append(seconds)
+        else:
+            slot = self._reservoir_rng.randrange(counter.tasks)
+            if slot < RESERVOIR_SIZE:
+                times[slot] = seconds
+        self.last_answer = time.perf_counter()
+
+    def restarted(self, worker_id: int) -> None:
+        self.workers[worker_id].restarts += 1
+
+    # -- batches (orchestrator) ---------------------------------------------------------------
+
+    def answered(self, outcome: object, indices: Any) -> None:
+        """Note how many samples a task's answer holds, while it waits for its turn."""
+        try:
+            self._sizes[id(outcome)] = len(indices)
+        except TypeError:
+            self._sizes[id(outcome)] = 1  # batch_size=None: one sample per "batch"
+
+    def handed(self, outcome: object) -> None:
+        """The outcome leaves the reorder buffer towards the consumer (directly, or through
+        the pin stage, which keeps the order)."""
+        self._handed.append(self._sizes.pop(id(outcome), 0))
+
+    def dropped(self, outcome: object) -> None:
+        """The outcome will not reach the consumer (an exhausted IterableDataset worker)."""
+        self._sizes.pop(id(outcome), None)
+
+    def delivering(self) -> int:
+        """The sample count of the outcome about to be delivered (error or batch)."""
+        return self._handed.popleft() if self._handed else 0
+
+    def yielded(self, batch: Any, samples: int, in_flight: int, waiting: int) -> None:
+        if self._count_from_batch:
+            samples = _leading_dim(batch, samples)
+        self.batches += 1
+        self.samples += samples
+        self.in_flight = in_flight
+        self.waiting_in_order = waiting
+        self._in_flight_sum += in_flight
+        self._waiting_sum += waiting
+
+    # -- pin stage (its own thread) -----------------------------------------------------------
+
+    def transferred(self, seconds: float) -> None:
+        self.pin_batches += 1
+        self.pin_s += seconds
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def data_bound_pct(self) -> float | None:
+        """The live figure, cheap enough for a progress bar."""
+        total = self.waiting_s + self.between_s
+        return 100.0 * self.waiting_s / total if total > 0 else None
+
+    def snapshot(self) -> LoaderStats:
+        started = self.started
+        last = self.last_return if self.last_return is not None else self.ended_at
+        elapsed = last - started if started is not None and last is not None else 0.0
+        # Every task of the pass was sent after its first next(), so fetch time cannot exceed
+        # the time from then to the later of the last answer and the last hand-over.
+        wall = elapsed
+        if started is not None and self.last_answer is not None:
+            wall = max(wall, self.last_answer - started)
+        workers = []
+        for worker_id, counter in enumerate(self.workers):
+            times = sorted(counter.fetch_times)
+            workers.append(
+                WorkerStats(
+                    worker_id=worker_id,
+                    tasks=counter.tasks,
+                    busy_s=counter.busy_s,
+                    busy_fraction=counter.busy_s / wall if wall > 0 else 0.0,
+                    fetch_p50_s=_percentile(times, 50),
+                    fetch_p90_s=_percentile(times, 90),
+                    fetch_p99_s=_percentile(times, 99),
+                    restarts=counter.restarts,
+                )
+            )
+        batches = self.batches
+        return LoaderStats(
+            running=self.started is not None and not self.finished,
+            batches=batches,
+            samples=self.samples,
+            elapsed_s=elapsed,
+            waiting_s=self.waiting_s,
+            between_s=self.between_s,
+            data_bound_pct=self.data_bound_pct() if batches else None,
+            batches_per_s=batches / elapsed if batches and elapsed > 0 else None,
+            samples_per_s=self.samples / elapsed if batches and elapsed > 0 else None,
+            in_flight=self.in_flight,
+            waiting_in_order=self.waiting_in_order,
+            in_flight_mean=self._in_flight_sum / batches if batches else None,
+            waiting_in_order_mean=self._waiting_sum / batches if batches else None,
+            pin_batches=self.pin_batches,
+            pin_s=self.pin_s,
+            in_process=self.in_process,
+            workers=workers,
+        )
+
+
+def empty_stats(num_workers: int) -> LoaderStats:
+    """The snapshot of a loader that has not been iterated yet."""
+    return PassStats(max(1, num_workers), num_workers == 0, False).snapshot()
+
+
+def _percentile(sorted_times: list[float], pct: float) -> float | None:
+    """Nearest-rank percentile (a value that was actually observed)."""
+    if not sorted_times:
+        return None
+    rank = math.ceil(pct / 100 * len(sorted_times))
+    return sorted_times[max(0, rank - 1)]
+
+
+def _leading_dim(batch: Any, default: int) -> int:
+    """The batch size as default_collate lays it out: the first dimension of the first tensor
+    or array found (in a mapping or sequence); ``default`` when there is none."""
+    for _ in range(8):  # nesting depth bound; batches are shallow
+        shape = getattr(batch, "shape", None)
+        if shape is not None:
+            return int(shape[0]) if len(shape) else default
+        if isinstance(batch, dict):
+            if not batch:
+                return default
+            batch = next(iter(batch.values()))
+        elif isinstance(batch, (list, tuple)) and not isinstance(batch, str):
+            if not batch:
+                return default
+            batch = batch[0]
+        else:
+            return default
+    return default
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value < 1e-3:
+        return f"{value * 1e6:.0f} us"
+    if value < 1.0:
+        return f"{value * 1e3:.1f} ms"
+    return f"{value:.2f} s"
+
+
+def _table(stats: LoaderStats) -> str:
+    state = "finished" if stats.elapsed_s > 0 else "not started"
+    if stats.running:
+        state = "running"
+    rate = f", {stats.batches_per_s:.1f} batches/s" if stats.batches_per_s is not None else ""
+    pct = "-" if stats.data_bound_pct is None else f"{stats.data_bound_pct:.1f} %"
+    in_flight_mean = "-" if stats.in_flight_mean is None else f"{stats.in_flight_mean:.1f}"
+    waiting_mean = (
+        "-" if stats.waiting_in_order_mean is None else f"{stats.waiting_in_order_mean:.1f}"
+    )
+    lines = [
+        f"aioload stats ({state}): {stats.batches} batches, {stats.samples} samples "
+        f"in {stats.elapsed_s:.2f} s{rate}",
+        f"  data-bound {pct}: waiting for data {stats.waiting_s:.2f} s, "
+        f"between batches {stats.between_s:.2f} s",
+        f"  queues: in flight {stats.in_flight} (mean {in_flight_mean}), "
+        f"waiting in order {stats.waiting_in_order} (mean {waiting_mean})",
+    ]
+    if stats.pin_batches:
+        lines.append(
+            f"  pin/H2D: {stats.pin_batches} batches, {stats.pin_s:.2f} s "
+            f"({_seconds(stats.pin_s / stats.pin_batches)} each)"
+        )
+    header = ("worker", "tasks", "busy", "fetch p50", "p90", "p99", "restarts")
+    rows = [
+        (
+            "main" if stats.in_process else str(w.worker_id),
+            str(w.tasks),
+            f"{100 * w.busy_fraction:.0f} %",
+            _seconds(w.fetch_p50_s),
+            _seconds(w.fetch_p90_s),
+            _seconds(w.fetch_p99_s),
+            str(w.restarts),
+        )
+        for w in stats.workers
+    ]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        cells = [row[0].ljust(widths[0])] + [
+            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
+        ]
+        lines.append("  " + "  ".join(cells))
+    return "\n".join(lines)

@@ -1,0 +1,54 @@
+"""Every ``examples/*.py`` runs to completion on tiny sizes.
+
+Convention for example authors (a new example is picked up here automatically):
+
+* ``AIOLOAD_EXAMPLE_SMALL=1`` in the environment means "tiny sizes": the example must then
+  finish in a few seconds (a few hundred samples, one or two epochs).
+* ``AIOLOAD_EXAMPLE_DATA=<dir>`` is where an example may write data it generates (the default
+  is the repository's git-ignored ``data/``); the test points it at a temporary folder.
+* It runs as ``python examples/NAME.py`` with no arguments, exits 0, and prints what it did
+  on stdout. Add the lines it must print to ``EXPECTED`` below.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+# Lines each known example must print (regular substrings); others must print something.
+EXPECTED: dict[str, list[str]] = {
+    "quickstart.py": ["aioload, async for", "aioload, for", "torch DataLoader, for"],
+    "train_images.py": ["drew 64 JPEGs", "aioload stats (finished)", "data-bound", "load only"],
+    "sync_script.py": ["epoch 0: mean loss", "epoch 1: mean loss", "aioload stats (finished)"],
+    "async_training_loop.py": ["epoch 1: accuracy", "event loop:", "checkpoint"],
+    "trio_loop.py": ["8 batches, 512 signals", "cancelled pass: cleaned up"],
+}
+
+
+def _example_files() -> list[Path]:
+    return sorted(EXAMPLES.glob("*.py"))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", _example_files(), ids=lambda p: p.name)
+def test_example_runs(path: Path, tmp_path: Path) -> None:
+    env = dict(os.environ, AIOLOAD_EXAMPLE_SMALL="1", AIOLOAD_EXAMPLE_DATA=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, str(path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert done.returncode == 0, f"{path.name} failed:\n{done.stdout}\n{done.stderr}"
+    assert done.stdout.strip(), f"{path.name} printed nothing"
+    assert "Traceback" not in done.stderr, done.stderr
+    for expected in EXPECTED.get(path.name, []):
+        assert expected in done.stdout, f"{path.name} did not print {expected!r}:\n{done.stdout}"

@@ -1,0 +1,131 @@
+"""aioload.progress(loader) and DataLoader(progress=True): a tqdm bar for both doors."""
+
+from __future__ import annotations
+
+import gc
+import io
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset
+from tqdm import tqdm
+
+import aioload
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Numbers(Dataset[torch.Tensor]):
+    def __init__(self, n: int, fail_at: int | None = None) -> None:
+        self.n = n
+        self.fail_at = fail_at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.fail_at:
+            raise ValueError(f"bad sample {i}")
+        return torch.tensor(i)
+
+
+class Stream(IterableDataset[torch.Tensor]):
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(torch.arange(6))
+
+
+def _open_bars() -> int:
+    gc.collect()
+    return len(getattr(tqdm, "_instances", ()))
+
+
+@pytest.fixture(autouse=True)
+def _no_bar_left_open() -> Iterator[None]:
+    before = _open_bars()
+    yield
+    assert _open_bars() == before, "a progress bar was left open"
+
+
+def _run(wrapped: Any, mode: str, stop_after: int | None = None) -> int:
+    if mode == "sync":
+        seen = 0
+        for _batch in wrapped:
+            seen += 1
+            if seen == stop_after:
+                break
+        return seen
+
+    async def run() -> int:
+        seen = 0
+        async for _batch in wrapped:
+            seen += 1
+            if seen == stop_after:
+                break
+        return seen
+
+    return anyio.run(run)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_bar_counts_batches_and_shows_data_bound(
+    mode: str, num_workers: int, no_leaks: None
+) -> None:
+    out = io.StringIO()
+    loader = aioload.DataLoader(Numbers(40), batch_size=4, num_workers=num_workers)
+    assert _run(aioload.progress(loader, file=out, desc="train"), mode) == 10
+    text = out.getvalue()
+    assert "train" in text and "10/10" in text
+    assert "batch/s" in text
+    assert "data-bound" in text
+    assert loader.stats().batches == 10
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_bar_closes_on_break(mode: str, no_leaks: None) -> None:
+    out = io.StringIO()
+    loader = aioload.DataLoader(Numbers(400), batch_size=4, num_workers=2)
+    assert _run(aioload.progress(loader, file=out), mode, stop_after=3) == 3
+    assert "3/100" in out.getvalue()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_bar_closes_on_error(mode: str, no_leaks: None) -> None:
+    out = io.StringIO()
+    loader = aioload.DataLoader(Numbers(40, fail_at=9), batch_size=4, num_workers=2)
+    with pytest.raises(ValueError, match="bad sample 9"):
+        _run(aioload.progress(loader, file=out), mode)
+    assert "2/10" in out.getvalue()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_progress_option_on_the_loader(
+    mode: str, capsys: pytest.CaptureFixture[str], no_leaks: None
+) -> None:
+    loader = aioload.DataLoader(Numbers(12), batch_size=4, num_workers=2, progress=True)
+    assert _run(loader, mode) == 3
+    # A loader that draws its own bar is not wrapped in a second one.
+    assert _run(aioload.progress(loader), mode) == 3
+    err = capsys.readouterr().err
+    assert err.count("3/3") == 2
+    assert "data-bound" in err
+
+
+def test_without_length_the_bar_has_no_total(no_leaks: None) -> None:
+    out = io.StringIO()
+    loader = aioload.DataLoader(Stream(), batch_size=4, num_workers=0)
+    assert _run(aioload.progress(loader, file=out), "sync") == 2
+    assert "2batch" in out.getvalue().replace(" ", "")
+    assert "/2" not in out.getvalue()
+
+
+def test_wraps_torchs_loader_too() -> None:
+    out = io.StringIO()
+    loader = torch.utils.data.DataLoader(Numbers(8), batch_size=4)
+    assert _run(aioload.progress(loader, file=out), "sync") == 2
+    assert "2/2" in out.getvalue()
+    assert "data-bound" not in out.getvalue()
+    assert len(aioload.progress(loader)) == 2
