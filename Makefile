@@ -37,6 +37,7 @@ test: lint docs unit
 
 bench: install
 	$(PY) -m aioload.bench
+	$(PY) -m aioload.bench.seeding --json docs/seeding.json
 
 # Not part of `make test`: 1,000 loaders with random breaks and worker kills; counts must be flat.
 soak: install

@@ -191,7 +191,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             in_progress=in_progress,
             num_workers=self.num_workers,
             shard_seed=None if self._shard_sampler is None else int(self._shard_sampler.seed),
-            sampler_state=_sampler_state(self.sampler),
         )
         return state
 
@@ -221,8 +220,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             )
         if self._shard_sampler is not None and state.get("shard_seed") is not None:
             self._shard_sampler.seed = int(state["shard_seed"])
-        if state.get("sampler_state") is not None:
-            self.sampler.load_state_dict(state["sampler_state"])  # type: ignore[attr-defined]
         if progress.sample_seed is not None:
             self._sample_seed = progress.sample_seed
         if not bool(state["in_progress"]):
@@ -525,16 +522,6 @@ def _primed(sampler_iter: Iterator[Any]) -> Iterator[Any]:
     if first is _NOTHING:
         return iter(())
     return itertools.chain((first,), sampler_iter)
-
-
-def _sampler_state(sampler: Any) -> Any:
-    """A sampler's own state, when it has one (torchdata-style stateful samplers)."""
-    if isinstance(sampler, DistributedSampler):
-        return None  # its order is a function of (seed, epoch), both recorded
-    state_dict = getattr(sampler, "state_dict", None)
-    if callable(state_dict) and callable(getattr(sampler, "load_state_dict", None)):
-        return state_dict()
-    return None
 
 
 def _check_device(device: str | torch.device | None) -> torch.device | None:

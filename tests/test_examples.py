@@ -28,6 +28,8 @@ EXPECTED: dict[str, list[str]] = {
     "sync_script.py": ["epoch 0: mean loss", "epoch 1: mean loss", "aioload stats (finished)"],
     "async_training_loop.py": ["epoch 1: accuracy", "event loop:", "checkpoint"],
     "trio_loop.py": ["8 batches, 512 signals", "cancelled pass: cleaned up"],
+    "iterable_sharded.py": ["read each of 2000 records exactly once"],
+    "distributed_training.py": ["epoch 0: 2 rank(s) x 1 worker(s)", "one loader state per rank"],
 }
 
 
