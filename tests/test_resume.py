@@ -18,7 +18,13 @@ import anyio
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import Dataset, IterableDataset, RandomSampler, WeightedRandomSampler
+from torch.utils.data import (
+    BatchSampler,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    WeightedRandomSampler,
+)
 
 import aioload
 
@@ -76,6 +82,12 @@ def _sampler_kwargs(kind: str) -> Callable[[], dict[str, Any]]:
             return {"sampler": RandomSampler(range(N), generator=generator)}
         if kind == "weighted":
             return {"sampler": WeightedRandomSampler([1.0] * N, N)}
+        if kind == "batch-sampler":
+            generator = torch.Generator().manual_seed(13)
+            sampler = RandomSampler(range(N), generator=generator)
+            return {"batch_size": 1, "batch_sampler": BatchSampler(sampler, BATCH, False)}
+        if kind == "no-batching":
+            return {"batch_size": None, "shuffle": True}
         raise AssertionError(kind)
 
     return make
@@ -134,14 +146,24 @@ def _run(
 
 
 @pytest.mark.parametrize(
-    "kind", ["sequential", "shuffle", "shuffle-generator", "sampler-generator", "weighted"]
+    "kind",
+    [
+        "sequential",
+        "shuffle",
+        "shuffle-generator",
+        "sampler-generator",
+        "weighted",
+        "batch-sampler",
+        "no-batching",
+    ],
 )
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_map_style_resume_in_order(kind: str, num_workers: int) -> None:
     kwargs = _sampler_kwargs(kind)
 
     def make() -> aioload.DataLoader[Any]:
-        return aioload.DataLoader(Indexed(), batch_size=BATCH, num_workers=num_workers, **kwargs())
+        arguments = {"batch_size": BATCH, **kwargs()}
+        return aioload.DataLoader(Indexed(), num_workers=num_workers, **arguments)
 
     reference, resumed = _run(make, stop_after=4)
     assert resumed == reference
