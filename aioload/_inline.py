@@ -8,6 +8,7 @@ on the private loop, which has nothing else to do.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from typing import Any
@@ -36,7 +37,7 @@ class InlineSource:
         self.generation = 0
         self.watched: int | None = None
         self.plan = PassPlan()
-        self.stream_states: dict[int, tuple[int, Any]] = {}
+        self.stream_states: dict[int, tuple[int, Any, bool]] = {}
 
     def begin_epoch(self, first: bool, plans: list[PassPlan]) -> int:
         # The fetcher (and an IterableDataset's iterator) is made on the first fetch, in the
@@ -117,7 +118,13 @@ class InlineSource:
                 )
             batch = self.fetcher.fetch(indices)
             if self.fetcher.iterable:
-                self.stream_states[task_id] = (self.fetcher.samples_seen, self.fetcher.state())
+                # A copy: in this process the dataset's state object may be the live one,
+                # which later batches would change under the checkpoint.
+                self.stream_states[task_id] = (
+                    self.fetcher.samples_seen,
+                    copy.deepcopy(self.fetcher.state()),
+                    self.fetcher.ended,
+                )
             return ("ok", batch)
         except StopIteration as exc:
             if spec.dataset_kind == 1:

@@ -49,7 +49,7 @@ class Source(Protocol):
     num_workers: int
     broken: BaseException | None
     stale: bool
-    stream_states: dict[int, tuple[int, Any]]
+    stream_states: dict[int, tuple[int, Any, bool]]
     # Where answers of this pass report their workers' fetch times.
     stats: PassStats | None
 
@@ -204,13 +204,21 @@ class Orchestrator:
                 return self._deliver(*ready)
         else:
             stage.drain_wake()
-            while stage.has_room():
-                ready = self._pop_ready()
-                if ready is None:
-                    break
-                self._staged.append(ready[0])
-                stage.submit(ready[1])
-            staged = stage.take()
+            while True:
+                while stage.has_room():
+                    # An IterableDataset's "end" goes through the stage too, so that it is
+                    # recorded only once every batch before it has been yielded.
+                    ready = self._pop_ready(through_stage=True)
+                    if ready is None:
+                        break
+                    self._staged.append(ready[0])
+                    stage.submit(ready[1])
+                staged = stage.take()
+                if staged is not None and staged[0] == "end":
+                    self._end_reached(self._staged.popleft())
+                    self.stats.dropped(staged)
+                    continue
+                break
             if staged is not None:
                 return self._deliver(self._staged.popleft(), staged)
             if stage.pending:
@@ -339,14 +347,14 @@ class Orchestrator:
             stream = self._source.stream_states.pop(task_id, None)
             if stream is not None:
                 _, position, _ = self._assigned[task_id]
-                point = StreamPoint(stream[0], stream[1] is not None, stream[1])
+                point = StreamPoint(stream[0], stream[1] is not None, stream[1], stream[2])
                 self._assigned[task_id] = (worker_id, position, point)
         if self._in_order:
             self._reorder_buffer[task_id] = (worker_id, outcome)
         else:
             self._completed.append((task_id, worker_id, outcome))
 
-    def _pop_ready(self) -> tuple[int, Outcome] | None:
+    def _pop_ready(self, through_stage: bool = False) -> tuple[int, Outcome] | None:
         while True:
             if self._in_order:
                 entry = self._reorder_buffer.pop(self._rcvd_idx, None)
@@ -361,14 +369,20 @@ class Orchestrator:
                 task_id, worker_id, outcome = self._completed.popleft()
             self._unyielded -= 1
             if outcome[0] == "end":
-                self._assigned.pop(task_id, None)
-                self.progress.streams[worker_id].ended = True
-                self._note_next_worker(task_id)
+                if through_stage:
+                    return task_id, outcome
+                self._end_reached(task_id)
                 self.stats.dropped(outcome)
                 continue
             self._per_worker[worker_id] -= 1
             self.stats.handed(outcome)
             return task_id, outcome
+
+    def _end_reached(self, task_id: int) -> None:
+        assigned = self._assigned.pop(task_id, None)
+        if assigned is not None:
+            self.progress.streams[assigned[0]].ended = True
+        self._note_next_worker(task_id)
 
     def _note_next_worker(self, task_id: int) -> None:
         # In order, the batch after this one is task_id + 1: the worker it went to, or (not

@@ -312,7 +312,9 @@ class _Worker:
                     self.pool.release(arena.slab.id)
                 self._send(("err", task_id, generation, RemoteError(wid)))
                 return
-            self._send(("state", task_id, generation, self.fetcher.samples_seen, state))
+            self._send(
+                ("state", task_id, generation, self.fetcher.samples_seen, state, self.fetcher.ended)
+            )
         self._send_batch(task_id, generation, data, arena)
 
     def _send_batch(self, task_id: int, generation: int, data: Any, arena: Any) -> None:

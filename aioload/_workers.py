@@ -152,9 +152,9 @@ class WorkerPool:
         # This pass's plan for each worker (a replacement gets its slot's plan again).
         self.plans: list[PassPlan] = [PassPlan()] * self.num_workers
         # IterableDataset streams: where each stood after a task's batch, task id ->
-        # (samples seen, dataset state). The orchestrator takes an entry when it yields the
+        # (samples seen, dataset state, whether it had run dry). The orchestrator takes an entry when it yields the
         # batch.
-        self.stream_states: dict[int, tuple[int, Any]] = {}
+        self.stream_states: dict[int, tuple[int, Any, bool]] = {}
         # The current pass's counters (set by its orchestrator).
         self.stats: PassStats | None = None
         self._owner_pid = os.getpid()
@@ -360,7 +360,7 @@ class WorkerPool:
         if kind == "end":
             return ("end", None)
         if kind == "state":
-            self.stream_states[frame[1]] = (frame[3], frame[4])
+            self.stream_states[frame[1]] = (frame[3], frame[4], frame[5])
             return None
         raise AssertionError(f"unknown frame from worker: {kind!r}")
 

@@ -155,6 +155,17 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         sampler you passed that has one) and ``seed_per_sample``."""
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch should be a non-negative integer, but got epoch={epoch!r}")
+        pending = self._pending_resume
+        if pending is not None and pending.epoch != epoch and self._pending_in_progress:
+            # Asked for another epoch than the checkpoint's: start that epoch from its first
+            # batch, rather than mix the checkpoint's order with another epoch's seeds.
+            warnings.warn(
+                f"aioload: set_epoch({epoch}) after load_state_dict() of a state in the middle "
+                f"of epoch {pending.epoch}: the loaded position is dropped",
+                UserWarning,
+                stacklevel=2,
+            )
+            self._pending_resume = None
         self._next_epoch = epoch
         set_sampler_epoch = getattr(self.sampler, "set_epoch", None)
         if self._shard_sampler is None and callable(set_sampler_epoch):
@@ -218,6 +229,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 f"aioload: the state was saved with num_workers={state['num_workers']}; an "
                 "IterableDataset's streams are per worker, so resume it with the same number"
             )
+        generators = len(self._generators())
+        if len(progress.rng["generators"]) != generators:
+            raise ValueError(
+                f"aioload: the state was saved with {len(progress.rng['generators'])} random "
+                f"generator(s) in the sampler, this loader has {generators}; build it with the "
+                "same arguments"
+            )
         if self._shard_sampler is not None and state.get("shard_seed") is not None:
             self._shard_sampler.seed = int(state["shard_seed"])
         if progress.sample_seed is not None:
@@ -236,6 +254,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 stacklevel=2,
             )
         self._next_epoch = progress.epoch
+        set_sampler_epoch = getattr(self.sampler, "set_epoch", None)
+        if self._shard_sampler is None and callable(set_sampler_epoch):
+            set_sampler_epoch(progress.epoch)
         self._pending_resume = progress
         self._pending_in_progress = bool(state["in_progress"])
 
@@ -355,13 +376,19 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             sampler_iter = iter(self._index_sampler)
             base_seed = self._draw_base_seed() if replay_draw else None
             sampler_iter = _primed(sampler_iter)
+            if base_seed is None and not reuse_pool:
+                # A pool must start, but the replayed pass drew no seed (it had reused its
+                # pool): draw one without moving the generators the next passes' order comes
+                # from. (A draw from the global RNG is undone with the caller's RNG below.)
+                generators = self._generators()
+                saved = [generator.get_state() for generator in generators]
+                base_seed = self._draw_base_seed()
+                _set_generator_states(generators, saved)
         finally:
             if callers_rng is not None:
                 torch.set_rng_state(callers_rng)
         if reuse_pool:
             base_seed = None
-        elif base_seed is None:
-            base_seed = self._draw_base_seed()
         if self._sample_seed is None and base_seed is not None:
             self._sample_seed = base_seed
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import random
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -405,3 +406,197 @@ def test_shard_and_seed_per_sample_arguments_are_checked() -> None:
         aioload.DataLoader(Indexed(), shard="yes")
     with pytest.raises(ValueError, match="epoch"):
         aioload.DataLoader(Indexed()).set_epoch(-1)
+
+
+# -- regressions found in review -----------------------------------------------------------
+
+
+def test_next_epoch_after_resume_with_persistent_workers_and_a_generator() -> None:
+    """The resumed loader must start a pool the original reused, without moving the
+    generator the next epoch's shuffle comes from."""
+
+    def make() -> aioload.DataLoader[Any]:
+        return aioload.DataLoader(
+            Indexed(),
+            batch_size=BATCH,
+            num_workers=2,
+            shuffle=True,
+            persistent_workers=True,
+            generator=torch.Generator().manual_seed(21),
+        )
+
+    reference_loader = make()
+    list(reference_loader)
+    middle = [_rows(b) for b in reference_loader]
+    following = [_rows(b) for b in reference_loader]
+    reference_loader.shutdown()
+
+    loader = make()
+    list(loader)
+    iterator = iter(loader)
+    got = [_rows(next(iterator)) for _ in range(5)]
+    state = _roundtrip(loader.state_dict())
+    del iterator
+    loader.shutdown()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert got + [_rows(b) for b in resumed] == middle
+    assert [_rows(b) for b in resumed] == following
+    resumed.shutdown()
+
+
+def test_resume_with_a_user_sampler_that_has_set_epoch() -> None:
+    def make() -> aioload.DataLoader[Any]:
+        sampler = torch.utils.data.DistributedSampler(
+            Indexed(), num_replicas=1, rank=0, shuffle=True, seed=3
+        )
+        return aioload.DataLoader(Indexed(), batch_size=BATCH, sampler=sampler)
+
+    reference_loader = make()
+    reference_loader.set_epoch(2)
+    reference = [_rows(b) for b in reference_loader]
+    loader = make()
+    loader.set_epoch(2)
+    iterator = iter(loader)
+    got = [_rows(next(iterator)) for _ in range(4)]
+    state = _roundtrip(loader.state_dict())
+    resumed = make()
+    resumed.load_state_dict(state)  # passes epoch 2 on to the sampler
+    assert got + [_rows(b) for b in resumed] == reference
+
+
+class RewindingStream(IterableDataset[int]):
+    """Rewinds itself once exhausted, as multi-epoch stateful datasets commonly do."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def __iter__(self) -> Any:
+        while self.position < 5:
+            self.position += 1
+            yield self.position - 1
+        self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_checkpoint_after_a_streams_last_partial_batch(num_workers: int) -> None:
+    loader = aioload.DataLoader(RewindingStream(), batch_size=2, num_workers=num_workers)
+    iterator = iter(loader)
+    got = [next(iterator).tolist() for _ in range(3)]
+    assert got == [[0, 1], [2, 3], [4]]
+    state = _roundtrip(loader.state_dict())
+    del iterator
+    resumed = aioload.DataLoader(RewindingStream(), batch_size=2, num_workers=num_workers)
+    resumed.load_state_dict(state)
+    assert list(resumed) == []  # the stream had ended: nothing is read again
+
+
+class Uneven(IterableDataset[int]):
+    """Worker shards of different lengths: some run dry while others go on."""
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        worker = info.id if info else 0
+        return iter(range(worker * 100, worker * 100 + (16, 4, 12)[worker]))
+
+
+class _CloningTransfer(aioload._pinning.Transfer):
+    def run(self, batch: Any) -> Any:
+        return batch.clone()
+
+
+@pytest.mark.parametrize(("in_order", "num_workers", "prefetch"), [(True, 3, 2), (False, 2, 3)])
+def test_iterable_resume_through_the_pin_stage(
+    in_order: bool, num_workers: int, prefetch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a pin stage, answers are popped before they are yielded: a stream's end must
+    only count once every batch before it has been yielded."""
+    monkeypatch.setattr(aioload.loader, "make_transfer", lambda pin, device: _CloningTransfer())
+
+    def make() -> aioload.DataLoader[Any]:
+        return aioload.DataLoader(
+            Uneven(),
+            batch_size=BATCH,
+            num_workers=num_workers,
+            in_order=in_order,
+            prefetch_factor=prefetch,
+            pin_memory=True,
+        )
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = [_rows(b) for b in make()]
+        for stop in sorted({1, len(reference) // 2, len(reference) - 1}):
+            loader = make()
+            iterator = iter(loader)
+            got = []
+            for _ in range(stop):
+                got.append(_rows(next(iterator)))
+                time.sleep(0.05)  # let answers pile up in the reorder buffer and the stage
+            state = _roundtrip(loader.state_dict())
+            del iterator
+            resumed = make()
+            resumed.load_state_dict(state)
+            everything = got + [_rows(b) for b in resumed]
+            if in_order:
+                assert everything == reference, stop
+            else:
+                assert sorted(everything) == sorted(reference), stop
+
+
+def test_set_epoch_after_loading_a_mid_epoch_state_drops_it() -> None:
+    loader = aioload.DataLoader(Indexed(), batch_size=BATCH, shuffle=True)
+    iterator = iter(loader)
+    next(iterator)
+    state = loader.state_dict()
+    resumed = aioload.DataLoader(Indexed(), batch_size=BATCH, shuffle=True)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(0)  # the checkpoint's own epoch: kept
+    assert resumed.state_dict()["in_progress"] is True
+    with pytest.warns(UserWarning, match="dropped"):
+        resumed.set_epoch(3)
+    assert resumed.state_dict()["in_progress"] is False
+    assert len([row for b in resumed for row in _rows(b)]) == N
+
+
+def test_load_state_dict_checks_the_generators_up_front() -> None:
+    loader = aioload.DataLoader(Indexed(), batch_size=BATCH, shuffle=True)
+    other = aioload.DataLoader(
+        Indexed(), batch_size=BATCH, shuffle=True, generator=torch.Generator()
+    )
+    with pytest.raises(ValueError, match="generator"):
+        other.load_state_dict(loader.state_dict())
+
+
+class LiveStateStream(IterableDataset[int]):
+    """Returns its live state object from state_dict(), as some datasets do."""
+
+    def __init__(self) -> None:
+        self.state = {"position": 0}
+
+    def __iter__(self) -> Any:
+        while self.state["position"] < N:
+            self.state["position"] += 1
+            yield self.state["position"] - 1
+
+    def state_dict(self) -> dict[str, int]:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.state = dict(state)
+
+
+def test_in_process_stream_state_is_a_snapshot() -> None:
+    loader = aioload.DataLoader(LiveStateStream(), batch_size=BATCH)
+    iterator = iter(loader)
+    next(iterator)
+    state = loader.state_dict()
+    before = state["streams"][0]["state"]["position"]
+    next(iterator)
+    assert state["streams"][0]["state"]["position"] == before
