@@ -157,6 +157,8 @@ class Orchestrator:
         self._per_worker = [0] * self._num_workers
         # A resumed IterableDataset pass: streams that had run dry stay so.
         self._active = [not progress.streams[w].ended for w in range(self._num_workers)]
+        # Samples each IterableDataset stream had drawn by its last answer.
+        self._samples_seen = [progress.streams[w].samples_seen for w in range(num_workers)]
         # torch's round robin; a resumed IterableDataset pass starts where the last one was.
         self._next_worker = progress.next_worker % self._num_workers
         self._sampler_done = False
@@ -339,16 +341,21 @@ class Orchestrator:
         sent = self._inflight.pop(task_id, None)
         if sent is None:
             return
-        self.stats.answered(outcome, sent[1])
+        samples = self.stats.count(sent[1])
         if outcome[0] == "end":
             # This worker's IterableDataset copy has run dry for this epoch.
             self._active[worker_id] = False
         elif self.progress.iterable:
             stream = self._source.stream_states.pop(task_id, None)
             if stream is not None:
+                # The stream's own count says what the batch holds (a short last batch, or a
+                # collate whose result has no batch dimension).
+                samples = stream[0] - self._samples_seen[worker_id]
+                self._samples_seen[worker_id] = stream[0]
                 _, position, _ = self._assigned[task_id]
                 point = StreamPoint(stream[0], stream[1] is not None, stream[1], stream[2])
                 self._assigned[task_id] = (worker_id, position, point)
+        self.stats.answered(outcome, samples)
         if self._in_order:
             self._reorder_buffer[task_id] = (worker_id, outcome)
         else:
@@ -418,7 +425,7 @@ class Orchestrator:
             value,
             samples,
             in_flight=len(self._inflight),
-            waiting=len(self._reorder_buffer) + len(self._completed),
+            waiting=len(self._reorder_buffer) + len(self._completed) + len(self._staged),
         )
         if self._iterable_len is not None and self._num_yielded > self._iterable_len:
             warn_msg = (
@@ -467,6 +474,10 @@ class Orchestrator:
     @property
     def finished(self) -> bool:
         return self._finished
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self) -> None:
         """Release what this pass owns. Safe to call more than once, and from ``__del__``."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -29,12 +30,19 @@ class _Bar:
     def __init__(self, total: int | None, stats: PassStats | None, options: dict[str, Any]) -> None:
         settings: dict[str, Any] = {"unit": "batch", "dynamic_ncols": True}
         settings.update(options)
+        self.total = total
+        self.settings = settings
         self.bar = tqdm(total=total, **settings)
         self.stats = stats
         self.next_postfix = 0.0
         self.closed = False
 
     def tick(self) -> None:
+        if self.closed:
+            # The pass went on after an error the caller caught: a new bar takes over the
+            # count where the closed one stopped.
+            self.bar = tqdm(total=self.total, **{**self.settings, "initial": self.bar.n})
+            self.closed = False
         self.bar.update(1)
         if self.stats is not None:
             now = time.monotonic()
@@ -57,6 +65,12 @@ class _Bar:
         self.bar.close()
 
 
+def _initial(loader: Any) -> int:
+    """Batches a resumed pass had yielded before the checkpoint: its bar starts there."""
+    latest = getattr(loader, "_latest_pass", None)
+    return len(latest.yielded) if latest is not None else 0
+
+
 def _total(loader: Any) -> int | None:
     try:
         return len(loader)
@@ -76,11 +90,17 @@ class _SyncProgress:
         try:
             batch = next(self._inner)
         except BaseException:
-            # The end of the pass (StopIteration) or an error: the bar is done either way.
+            # The end of the pass, or an error. After an error the caller may go on (a dataset
+            # error ends only its batch, as in torch): then tick() opens a new bar that goes on
+            # counting. Closing now rather than when this iterator is collected matters: an
+            # exception that escapes the loop may keep the iterator alive for a long time.
             self._bar.close()
             raise
         self._bar.tick()
         return batch
+
+    def __len__(self) -> int:
+        return len(self._inner)  # type: ignore[arg-type]
 
     def close(self) -> None:
         self._bar.close()
@@ -107,6 +127,8 @@ class _AsyncProgress:
         try:
             batch = await self._inner.__anext__()
         except BaseException:
+            # As in _SyncProgress: closed now, and continued by tick() if the caller goes on
+            # (after a dataset error, or a cancelled wait it retries).
             self._bar.close()
             raise
         self._bar.tick()
@@ -132,12 +154,16 @@ class _AsyncProgress:
 def wrap_sync(inner: Iterator[Any], loader: Any, options: dict[str, Any]) -> _SyncProgress:
     # The pass's counters exist once its iterator does (aioload loaders only).
     stats = getattr(loader, "_pass_stats", None)
-    return _SyncProgress(inner, _Bar(_total(loader), stats, options))
+    return _SyncProgress(
+        inner, _Bar(_total(loader), stats, {"initial": _initial(loader), **options})
+    )
 
 
 def wrap_async(inner: AsyncIterator[Any], loader: Any, options: dict[str, Any]) -> _AsyncProgress:
     stats = getattr(loader, "_pass_stats", None)
-    return _AsyncProgress(inner, _Bar(_total(loader), stats, options))
+    return _AsyncProgress(
+        inner, _Bar(_total(loader), stats, {"initial": _initial(loader), **options})
+    )
 
 
 class Progress:
@@ -153,14 +179,25 @@ class Progress:
     def __iter__(self) -> Iterator[Any]:
         inner: Iterator[Any] = iter(self.loader)
         if getattr(self.loader, "progress", False) is True:
+            self._warn_ignored()
             return inner  # the loader draws its own bar already
         return wrap_sync(inner, self.loader, self.options)
 
     def __aiter__(self) -> AsyncIterator[Any]:
         inner: AsyncIterator[Any] = self.loader.__aiter__()
         if getattr(self.loader, "progress", False) is True:
+            self._warn_ignored()
             return inner
         return wrap_async(inner, self.loader, self.options)
+
+    def _warn_ignored(self) -> None:
+        if self.options:
+            warnings.warn(
+                "aioload.progress(): the loader was built with progress=True and draws its own "
+                f"bar; these options are ignored: {sorted(self.options)}",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def progress(loader: Any, **tqdm_options: Any) -> Progress:

@@ -475,8 +475,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         self._pass_stats = PassStats(
             max(1, self.num_workers),
             in_process=self.num_workers == 0,
-            # An IterableDataset's last batches may be short: count what each one holds.
-            count_from_batch=isinstance(self.dataset, IterableDataset) and self._auto_collation,
+            auto_collation=self._auto_collation,
         )
         engine = Orchestrator(
             make_source,

@@ -75,7 +75,10 @@ class LoaderStats:
     waiting_in_order: int
     in_flight_mean: float | None
     waiting_in_order_mean: float | None
-    # The pin / host-to-device stage (zero when the pass has none).
+    # The pin / host-to-device stage (zero when the pass has none): batches it transferred
+    # (prefetched ones abandoned by a ``break`` included) and the stage thread's time on them.
+    # With ``device="cuda"`` the copy itself is asynchronous on the stage's stream, so pin_s is
+    # pinning plus issuing the copy, not the copy's duration on the GPU.
     pin_batches: int
     pin_s: float
     # The calling process counts as worker 0 when num_workers=0.
@@ -105,11 +108,12 @@ class PassStats:
     attribute updates: each counter has one writer (the consumer's thread, or the pin stage's
     thread for ``pin_*``)."""
 
-    def __init__(self, num_workers: int, in_process: bool, count_from_batch: bool) -> None:
+    def __init__(self, num_workers: int, in_process: bool, auto_collation: bool) -> None:
         self.in_process = in_process
-        # For an IterableDataset the last batch of each worker may be short: its size is read
-        # off the batch. Otherwise it is the number of indices of the task.
-        self._count_from_batch = count_from_batch
+        # With automatic batching a task's sample count is its number of indices (an
+        # IterableDataset's stream reports its own count, see Orchestrator._accept); without,
+        # each item is one sample whatever its key is.
+        self._auto_collation = auto_collation
         self.workers = [_WorkerCounter() for _ in range(num_workers)]
         self._reservoir_rng = random.Random(0)  # never the user's global RNG
         self.started: float | None = None
@@ -182,12 +186,13 @@ class PassStats:
 
     # -- batches (orchestrator) ---------------------------------------------------------------
 
-    def answered(self, outcome: object, indices: Any) -> None:
+    def count(self, indices: Any) -> int:
+        """Samples in a task: its index list with automatic batching, else one item."""
+        return len(indices) if self._auto_collation else 1
+
+    def answered(self, outcome: object, samples: int) -> None:
         """Note how many samples a task's answer holds, while it waits for its turn."""
-        try:
-            self._sizes[id(outcome)] = len(indices)
-        except TypeError:
-            self._sizes[id(outcome)] = 1  # batch_size=None: one sample per "batch"
+        self._sizes[id(outcome)] = samples
 
     def handed(self, outcome: object) -> None:
         """The outcome leaves the reorder buffer towards the consumer (directly, or through
@@ -203,8 +208,6 @@ class PassStats:
         return self._handed.popleft() if self._handed else 0
 
     def yielded(self, batch: Any, samples: int, in_flight: int, waiting: int) -> None:
-        if self._count_from_batch:
-            samples = _leading_dim(batch, samples)
         self.batches += 1
         self.samples += samples
         self.in_flight = in_flight
@@ -282,26 +285,6 @@ def _percentile(sorted_times: list[float], pct: float) -> float | None:
         return None
     rank = math.ceil(pct / 100 * len(sorted_times))
     return sorted_times[max(0, rank - 1)]
-
-
-def _leading_dim(batch: Any, default: int) -> int:
-    """The batch size as default_collate lays it out: the first dimension of the first tensor
-    or array found (in a mapping or sequence); ``default`` when there is none."""
-    for _ in range(8):  # nesting depth bound; batches are shallow
-        shape = getattr(batch, "shape", None)
-        if shape is not None:
-            return int(shape[0]) if len(shape) else default
-        if isinstance(batch, dict):
-            if not batch:
-                return default
-            batch = next(iter(batch.values()))
-        elif isinstance(batch, (list, tuple)) and not isinstance(batch, str):
-            if not batch:
-                return default
-            batch = batch[0]
-        else:
-            return default
-    return default
 
 
 def _seconds(value: float | None) -> str:

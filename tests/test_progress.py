@@ -129,3 +129,43 @@ def test_wraps_torchs_loader_too() -> None:
     assert "2/2" in out.getvalue()
     assert "data-bound" not in out.getvalue()
     assert len(aioload.progress(loader)) == 2
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_bar_survives_a_recoverable_dataset_error(num_workers: int, no_leaks: None) -> None:
+    out = io.StringIO()
+    loader = aioload.DataLoader(Numbers(40, fail_at=9), batch_size=4, num_workers=num_workers)
+    iterator = iter(aioload.progress(loader, file=out, mininterval=0))
+    batches = errors = 0
+    while True:
+        try:
+            next(iterator)
+            batches += 1
+        except StopIteration:
+            break
+        except ValueError:
+            errors += 1
+    assert (batches, errors) == (9, 1)
+    assert iterator._bar.bar.n == 9  # type: ignore[attr-defined]  # counting went on
+    assert iterator._bar.closed  # type: ignore[attr-defined]
+    assert "9/10" in out.getvalue()
+
+
+def test_resumed_pass_bar_starts_where_the_checkpoint_was(no_leaks: None) -> None:
+    loader = aioload.DataLoader(Numbers(40), batch_size=4)
+    iterator = iter(loader)
+    for _ in range(6):
+        next(iterator)
+    state = loader.state_dict()
+    resumed = aioload.DataLoader(Numbers(40), batch_size=4)
+    resumed.load_state_dict(state)
+    bars = iter(aioload.progress(resumed, file=io.StringIO(), mininterval=0))
+    assert sum(1 for _ in bars) == 4
+    assert bars._bar.bar.n == 10  # type: ignore[attr-defined]
+
+
+def test_progress_iterator_keeps_len(no_leaks: None) -> None:
+    loader = aioload.DataLoader(Numbers(40), batch_size=4, progress=True)
+    iterator = iter(loader)
+    assert len(iterator) == 10  # type: ignore[arg-type]
+    del iterator

@@ -315,7 +315,7 @@ def test_dataset_error_keeps_counting(no_leaks: None) -> None:
 
 
 def test_fetch_times_are_bounded_in_memory() -> None:
-    stats = PassStats(1, in_process=False, count_from_batch=False)
+    stats = PassStats(1, in_process=False, auto_collation=True)
     for i in range(RESERVOIR_SIZE * 5):
         stats.fetched(0, float(i % 100) / 1000)
     snapshot = stats.snapshot()
@@ -325,3 +325,45 @@ def test_fetch_times_are_bounded_in_memory() -> None:
     # Uniform over 0..99 ms: the sampled percentiles stay close to the true ones.
     assert p50 is not None and abs(p50 - 0.050) < 0.01
     assert p99 is not None and p99 >= 0.095
+
+
+class Shapes(IterableDataset[torch.Tensor]):
+    """Samples whose own first dimension (3) is not a batch dimension."""
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        return (torch.zeros(3, 2) for _ in range(worker, 10, workers))
+
+
+class Words(IterableDataset[str]):
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        return (f"word{i}" for i in range(worker, 10, workers))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_iterable_samples_counted_from_the_stream(num_workers: int, no_leaks: None) -> None:
+    """Not from the batch's layout: a custom collate or non-tensor samples say nothing."""
+    listed = aioload.DataLoader(Shapes(), batch_size=4, num_workers=num_workers, collate_fn=list)
+    list(listed)
+    words = aioload.DataLoader(Words(), batch_size=4, num_workers=num_workers)
+    list(words)
+    assert listed.stats().samples == 10
+    assert words.stats().samples == 10
+
+
+class Keyed(Dataset[str]):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, key: str) -> str:
+        return key.upper()
+
+
+def test_unbatched_keys_are_one_sample_each(no_leaks: None) -> None:
+    sampler = ["alpha", "beta", "gamma", "delta"]
+    loader = aioload.DataLoader(Keyed(), batch_size=None, sampler=sampler, num_workers=2)
+    assert list(loader) == ["ALPHA", "BETA", "GAMMA", "DELTA"]
+    assert loader.stats().samples == 4
