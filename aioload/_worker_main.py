@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import anyio.abc
 import numpy as np
 import torch
 import torch.utils.data._utils.worker as torch_worker
@@ -174,6 +175,10 @@ class _Worker:
         self.init_error: RemoteError | None = None
         # An async worker_init_fn's coroutine, awaited on the worker's loop before any task.
         self.async_init: Any = None
+        # Async map-style batches being gathered, by generation: cancelled when a newer pass
+        # starts (persistent workers after a break), so stale fetches free their slots.
+        self.gathering: dict[int, set[anyio.CancelScope]] = {}
+        self.parent_gone = False
         self.iteration_end = False
         self.parent_pid = os.getppid()
         self.poller = select.poll()
@@ -374,13 +379,12 @@ class _Worker:
                         await self.fetcher.aclose()
 
     async def _serve_tasks(self) -> None:
-        parent_gone = False
         iterable = self.config.dataset_kind == 1
         # Tasks and resets of an IterableDataset, in arrival order, for the one runner.
         ordered_in, ordered_out = anyio.create_memory_object_stream[Any](math.inf)
         async with anyio.create_task_group() as tasks:
             if iterable:
-                tasks.start_soon(self._run_in_order, ordered_out)
+                tasks.start_soon(self._guarded, tasks, self._run_in_order, ordered_out)
             try:
                 while True:
                     message = await self._next_message_async()
@@ -394,9 +398,16 @@ class _Worker:
                             ordered_in.send_nowait(message)
                         else:
                             tasks.start_soon(
-                                self._run_map_task, self.fetcher, task_id, generation, indices
+                                self._guarded,
+                                tasks,
+                                self._run_map_task,
+                                self.fetcher,
+                                task_id,
+                                generation,
+                                indices,
                             )
                     elif kind == "reset":
+                        self._cancel_older(message[1])
                         if message[1] >= self.generation and self.init_error is None:
                             if iterable:
                                 ordered_in.send_nowait(message)
@@ -408,12 +419,27 @@ class _Worker:
                 # Caught here rather than let through: leaving a task group with an exception
                 # wraps it in an ExceptionGroup. Either way every fetch in flight is cancelled
                 # before the task group exits, and only then are the resources closed.
-                parent_gone = True
+                self.parent_gone = True
             tasks.cancel_scope.cancel()
         ordered_in.close()
         ordered_out.close()
-        if parent_gone:
+        if self.parent_gone:
             raise ChannelClosed
+
+    async def _guarded(self, tasks: anyio.abc.TaskGroup, run: Any, *args: Any) -> None:
+        """Run a batch task (or the in-order runner). An answer that cannot be sent means the
+        parent closed our socket or died: handled as EOF is, by leaving the task group (which
+        cancels the other fetches), rather than as an error of the task group."""
+        try:
+            await run(*args)
+        except (ChannelClosed, BrokenPipeError, ConnectionResetError):
+            self.parent_gone = True
+            tasks.cancel_scope.cancel()
+
+    def _cancel_older(self, generation: int) -> None:
+        for stale in [g for g in self.gathering if g < generation]:
+            for scope in self.gathering.pop(stale):
+                scope.cancel()
 
     async def _next_message_async(self) -> Any:
         """``_next_message`` without blocking the loop: the same one-second bound, after which
@@ -453,12 +479,22 @@ class _Worker:
         if error is not None:
             self._send(("err", task_id, generation, error))
             return
-        try:
-            samples = await fetcher.gather(indices)
-        except Exception:
-            self._send(("err", task_id, generation, RemoteError(self.config.worker_id)))
-            return
-        self._produce(task_id, generation, lambda: fetcher.collate(samples))
+        # A stale batch is cancelled without an answer: the parent drops stale answers, and
+        # it does not wait for tasks of a pass it has left.
+        with anyio.CancelScope() as scope:
+            running = self.gathering.setdefault(generation, set())
+            running.add(scope)
+            try:
+                samples = await fetcher.gather(indices)
+            except Exception:
+                self._send(("err", task_id, generation, RemoteError(self.config.worker_id)))
+                return
+            finally:
+                running.discard(scope)
+                if not running and self.gathering.get(generation) is running:
+                    del self.gathering[generation]
+            # No await from here on: the collate and the answer are not interrupted.
+            self._produce(task_id, generation, lambda: fetcher.collate(samples))
 
     async def _run_in_order(self, messages: Any) -> None:
         async for message in messages:

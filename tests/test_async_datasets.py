@@ -605,3 +605,30 @@ class SeesInit(Dataset[torch.Tensor]):
 def test_async_worker_init_fn(no_leaks: None) -> None:
     loader = aioload.DataLoader(SeesInit(), batch_size=2, num_workers=2, worker_init_fn=_async_init)
     assert [int(b[0]) for b in loader] == [0, 1, 0, 1]
+
+
+def test_a_new_pass_cancels_the_stale_fetches_of_persistent_workers(no_leaks: None) -> None:
+    loader = aioload.DataLoader(
+        InFlight(64, 0.3),
+        batch_size=4,
+        num_workers=2,
+        persistent_workers=True,
+        worker_concurrency=4,
+    )
+    try:
+        it = iter(loader)
+        next(it)
+        del it  # a break: the workers are still gathering the batches sent ahead
+        start = time.monotonic()
+        second = iter(loader)
+        first_batch = next(second)
+        assert first_batch[:, 0].tolist() == [0, 1, 2, 3]
+        # The stale fetches were cancelled when the new pass began: they hold no slots, so
+        # the new pass's fetches never see more than worker_concurrency in flight, nor wait.
+        assert int(first_batch[:, 1].max()) <= 4
+        assert time.monotonic() - start < 0.3 + 0.25
+        rest = list(second)
+        assert [int(row[0]) for b in rest for row in b] == list(range(4, 64))
+        assert max(int(row[1]) for b in rest for row in b) <= 4
+    finally:
+        loader.shutdown()
