@@ -5,8 +5,13 @@ consumer's loop or the private one."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import random
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -14,6 +19,7 @@ from typing import Any
 
 import anyio
 import numpy as np
+import psutil
 import pytest
 import torch
 import uvloop
@@ -632,3 +638,66 @@ def test_a_new_pass_cancels_the_stale_fetches_of_persistent_workers(no_leaks: No
         assert max(int(row[1]) for b in rest for row in b) <= 4
     finally:
         loader.shutdown()
+
+
+_ORPHAN_SCRIPT = """
+import asyncio, json, os, sys
+import torch
+import aioload
+
+class Remote(torch.utils.data.Dataset):
+    def __len__(self):
+        return 100_000
+
+    async def __getitem__(self, i):
+        await asyncio.sleep(0.05)
+        return torch.tensor(os.getpid())
+
+pids = set()
+for batch in aioload.DataLoader(Remote(), batch_size=4, num_workers=2, worker_concurrency=4):
+    pids.add(int(batch[0]))
+    if len(pids) == 2:
+        print(json.dumps(sorted(pids)), flush=True)
+        pids.add(-1)
+"""
+
+
+def test_async_workers_leave_when_their_parent_is_killed(no_leaks: None) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _ORPHAN_SCRIPT], stdout=subprocess.PIPE, text=True
+    )
+    workers: list[int] = []
+    try:
+        assert proc.stdout is not None
+        workers = json.loads(proc.stdout.readline())
+        assert len(workers) == 2
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        # Each worker is awaiting its socket (or its fetches) on its own loop: the parent's
+        # death closes the socket, and the reader sees EOF.
+        _, alive = psutil.wait_procs([psutil.Process(pid) for pid in workers], timeout=3)
+        assert alive == [], f"workers outlived their parent by 3 s: {alive}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+class BrokenSetup(AsyncSquares):
+    async def __aenter__(self) -> BrokenSetup:
+        raise ConnectionRefusedError("the store is down")
+
+    async def __aexit__(self, *exc: object) -> None:
+        raise AssertionError("never entered, so never exited")
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_failing_setup_fails_the_batches(num_workers: int, no_leaks: None) -> None:
+    loader = aioload.DataLoader(BrokenSetup(8), batch_size=4, num_workers=num_workers)
+    with pytest.raises(ConnectionRefusedError, match="the store is down"):
+        next(iter(loader))
