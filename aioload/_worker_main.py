@@ -216,6 +216,19 @@ class _Worker:
         self.is_async = self.init_error is None and is_async_dataset(
             self.dataset, config.dataset_kind
         )
+        if self.async_init is not None and not self.is_async:
+            # The loader refuses an async worker_init_fn with a sync dataset; one that returns
+            # an awaitable without being a coroutine function gets here. A sync worker has no
+            # loop to await it on.
+            close = getattr(self.async_init, "close", None)
+            if close is not None:
+                close()
+            self.async_init = None
+            try:
+                raise TypeError("worker_init_fn returned an awaitable, but the dataset is sync")
+            except TypeError:
+                self.init_error = RemoteError(wid)
+                self.init_error.from_init = True
 
     def _try_new_fetcher(self, plan: PassPlan) -> None:
         # An IterableDataset's __iter__ runs here, once per epoch: its failure is this
@@ -268,7 +281,7 @@ class _Worker:
     # -- the loop ----------------------------------------------------------------------------
 
     def run(self) -> None:
-        if self.is_async or self.async_init is not None:
+        if self.is_async:
             self._run_async()
             return
         while True:
