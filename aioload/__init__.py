@@ -2,6 +2,7 @@
 
 from torch.utils.data import default_collate, default_convert
 
+from ._async_fetch import AsyncIterableDataset
 from ._progress import Progress, progress
 from ._worker_main import WorkerInfo, get_worker_info
 from .errors import DataLoaderTimeoutError, LoaderError, WorkerDiedError, WorkerError
@@ -9,6 +10,7 @@ from .loader import DataLoader
 from .stats import LoaderStats, WorkerStats
 
 __all__ = [
+    "AsyncIterableDataset",
     "DataLoader",
     "DataLoaderTimeoutError",
     "LoaderError",

@@ -12,7 +12,10 @@ parent pid ends it within a second even if something else still holds the parent
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
+import math
 import os
 import pickle
 import random
@@ -20,9 +23,12 @@ import select
 import signal
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
+import anyio.abc
 import numpy as np
 import torch
 import torch.utils.data._utils.worker as torch_worker
@@ -30,6 +36,7 @@ from torch._utils import ExceptionWrapper, KeyErrorMessage
 from torch.utils.data._utils.worker import _generate_state
 
 from . import _transport
+from ._async_fetch import AsyncFetcher, StreamEnd, has_async_context, is_async_dataset
 from ._channel import ChannelClosed, WorkerChannel
 from ._fetch import Fetcher, PassPlan
 from .errors import WorkerError
@@ -123,6 +130,8 @@ class WorkerConfig:
     max_idle_slabs: int
     rank: int = 0
     world_size: int = 1
+    # Samples an async dataset's worker fetches at once (DataLoader's worker_concurrency).
+    worker_concurrency: int = 1
 
 
 def _set_worker_info(info: WorkerInfo) -> None:
@@ -165,8 +174,15 @@ class _Worker:
         self.pending: deque[Any] = deque()
         self.fetcher: Any = None
         self.init_error: RemoteError | None = None
+        # An async worker_init_fn's coroutine, awaited on the worker's loop before any task.
+        self.async_init: Any = None
+        # Async map-style batches being gathered, by generation: cancelled when a newer pass
+        # starts (persistent workers after a break), so stale fetches free their slots.
+        self.gathering: dict[int, set[anyio.CancelScope]] = {}
+        self.parent_gone = False
         self.iteration_end = False
         self.parent_pid = os.getppid()
+        # When the task being answered started: every answer carries its seconds, for stats.
         self.task_started = 0.0
         self.poller = select.poll()
         self.poller.register(channel.sock.fileno(), select.POLLIN)
@@ -191,13 +207,31 @@ class _Worker:
                 )
             )
             if init_fn is not None:
-                init_fn(wid)
+                self.async_init = init_fn(wid)
+                if not inspect.isawaitable(self.async_init):
+                    self.async_init = None
         except Exception:
             # Reported as the answer to every task this worker gets, so it reaches the consumer.
             self.init_error = RemoteError(wid)
             self.init_error.from_init = True
         # The fetcher is made when the pass's plan arrives (the first message, always): an
         # IterableDataset being resumed must load its state before __iter__ runs.
+        self.is_async = self.init_error is None and is_async_dataset(
+            self.dataset, config.dataset_kind
+        )
+        if self.async_init is not None and not self.is_async:
+            # The loader refuses an async worker_init_fn with a sync dataset; one that returns
+            # an awaitable without being a coroutine function gets here. A sync worker has no
+            # loop to await it on.
+            close = getattr(self.async_init, "close", None)
+            if close is not None:
+                close()
+            self.async_init = None
+            try:
+                raise TypeError("worker_init_fn returned an awaitable, but the dataset is sync")
+            except TypeError:
+                self.init_error = RemoteError(wid)
+                self.init_error.from_init = True
 
     def _try_new_fetcher(self, plan: PassPlan) -> None:
         # An IterableDataset's __iter__ runs here, once per epoch: its failure is this
@@ -250,6 +284,9 @@ class _Worker:
     # -- the loop ----------------------------------------------------------------------------
 
     def run(self) -> None:
+        if self.is_async:
+            self._run_async()
+            return
         while True:
             message = self._next_message()
             kind = message[0]
@@ -268,7 +305,6 @@ class _Worker:
 
     def _run_task(self, task_id: int, generation: int, indices: Any) -> None:
         self.task_started = time.perf_counter()
-        wid = self.config.worker_id
         error = self.init_error or self.fetch_error
         if error is not None:
             self._send(("err", task_id, generation, error))
@@ -276,6 +312,13 @@ class _Worker:
         if self.iteration_end:
             self._send(("end", task_id, generation))
             return
+        fetcher = self.fetcher
+        self._produce(task_id, generation, lambda: fetcher.fetch(indices))
+
+    def _produce(self, task_id: int, generation: int, make_batch: Callable[[], Any]) -> None:
+        """Run ``make_batch`` (a fetch, or an async fetch's collate) with a slab to collate
+        into, and answer the task."""
+        wid = self.config.worker_id
         arena = None
         try:
             if self.config.slab_collate:
@@ -285,7 +328,7 @@ class _Worker:
                     arena = None  # no shared memory now: collate as usual, send by value
             _transport._current_arena = arena
             try:
-                data = self.fetcher.fetch(indices)
+                data = make_batch()
             finally:
                 _transport._current_arena = None
         except StopIteration:
@@ -316,6 +359,221 @@ class _Worker:
                 ("state", task_id, generation, self.fetcher.samples_seen, state, self.fetcher.ended)
             )
         self._send_batch(task_id, generation, data, arena)
+
+    # -- async datasets ----------------------------------------------------------------------
+    #
+    # The worker runs one event loop for its whole life (uvloop when installed). One coroutine
+    # reads the socket; each map-style task runs as its own task, so the batches the parent
+    # has sent ahead (up to prefetch_factor) are gathered at once, sharing the fetcher's
+    # worker_concurrency slots. An IterableDataset's tasks run one after another, in order,
+    # since they pull from one stream. Answers go out as batches complete; the parent
+    # reorders them.
+
+    def _run_async(self) -> None:
+        loop = _new_event_loop()
+        try:
+            loop.run_until_complete(self._serve())
+        finally:
+            # Async generators the dataset left suspended get their finally blocks run here,
+            # on the loop they belong to, before it closes.
+            with contextlib.suppress(Exception):
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    async def _serve(self) -> None:
+        wid = self.config.worker_id
+        if self.async_init is not None:
+            init, self.async_init = self.async_init, None
+            try:
+                await init
+            except Exception:
+                self.init_error = RemoteError(wid)
+                self.init_error.from_init = True
+        async with contextlib.AsyncExitStack() as resources:
+            # The dataset's per-worker setup (say, an HTTP client session) is entered once,
+            # here, on this loop, and exited when the loop below ends: after the parent closed
+            # our socket (a graceful shutdown: every in-flight fetch has been cancelled by
+            # then, so nothing uses the resources while they close) or the parent died.
+            # Shutdown gives a worker 0.5 s before SIGKILL, which is ample to close a client.
+            if self.init_error is None and has_async_context(self.dataset):
+                try:
+                    await resources.enter_async_context(self.dataset)
+                except Exception:
+                    self.init_error = RemoteError(wid)
+                    self.init_error.from_init = True
+            try:
+                await self._serve_tasks()
+            finally:
+                if self.fetcher is not None:
+                    with contextlib.suppress(Exception):
+                        await self.fetcher.aclose()
+
+    async def _serve_tasks(self) -> None:
+        iterable = self.config.dataset_kind == 1
+        # Tasks and resets of an IterableDataset, in arrival order, for the one runner.
+        ordered_in, ordered_out = anyio.create_memory_object_stream[Any](math.inf)
+        async with anyio.create_task_group() as tasks:
+            if iterable:
+                tasks.start_soon(self._guarded, tasks, self._run_in_order, ordered_out)
+            try:
+                while True:
+                    message = await self._next_message_async()
+                    kind = message[0]
+                    if kind == "task":
+                        _, task_id, generation, indices = message
+                        self._drain()
+                        if generation < self.generation:
+                            continue  # a task of an epoch the parent has already left
+                        if iterable:
+                            ordered_in.send_nowait(message)
+                        else:
+                            tasks.start_soon(
+                                self._guarded,
+                                tasks,
+                                self._run_map_task,
+                                self.fetcher,
+                                task_id,
+                                generation,
+                                indices,
+                            )
+                    elif kind == "reset":
+                        self._cancel_older(message[1])
+                        if message[1] >= self.generation and self.init_error is None:
+                            if iterable:
+                                ordered_in.send_nowait(message)
+                            else:
+                                self._new_async_fetcher(message[2])
+                    elif kind == "stop":
+                        break
+            except (ChannelClosed, BrokenPipeError, ConnectionResetError):
+                # Caught here rather than let through: leaving a task group with an exception
+                # wraps it in an ExceptionGroup. Either way every fetch in flight is cancelled
+                # before the task group exits, and only then are the resources closed.
+                self.parent_gone = True
+            tasks.cancel_scope.cancel()
+        ordered_in.close()
+        ordered_out.close()
+        if self.parent_gone:
+            raise ChannelClosed
+
+    async def _guarded(self, tasks: anyio.abc.TaskGroup, run: Any, *args: Any) -> None:
+        """Run a batch task (or the in-order runner). An answer that cannot be sent means the
+        parent closed our socket or died: handled as EOF is, by leaving the task group (which
+        cancels the other fetches), rather than as an error of the task group."""
+        try:
+            await run(*args)
+        except (ChannelClosed, BrokenPipeError, ConnectionResetError):
+            self.parent_gone = True
+            tasks.cancel_scope.cancel()
+
+    def _cancel_older(self, generation: int) -> None:
+        for stale in [g for g in self.gathering if g < generation]:
+            for scope in self.gathering.pop(stale):
+                scope.cancel()
+
+    async def _next_message_async(self) -> Any:
+        """``_next_message`` without blocking the loop: the same one-second bound, after which
+        a changed parent pid ends the worker."""
+        fd = self.channel.sock.fileno()
+        while not self.pending:
+            while not self.channel.has_frame():
+                with anyio.move_on_after(_PARENT_CHECK_S) as wait:
+                    await anyio.wait_readable(fd)
+                if wait.cancelled_caught:
+                    if os.getppid() != self.parent_pid:
+                        raise ChannelClosed
+                    continue
+                self.channel.fill(wait=False)
+            self._absorb(self.channel.pop())
+        return self.pending.popleft()
+
+    def _new_async_fetcher(self, plan: PassPlan) -> AsyncFetcher:
+        self.fetch_error = None
+        self.iteration_end = False
+        fetcher = AsyncFetcher(
+            self.config.dataset_kind,
+            self.dataset,
+            self.config.auto_collation,
+            self.collate_fn,
+            self.config.drop_last,
+            plan,
+            self.config.worker_concurrency,
+        )
+        self.fetcher = fetcher
+        return fetcher
+
+    async def _run_map_task(
+        self, fetcher: AsyncFetcher, task_id: int, generation: int, indices: Any
+    ) -> None:
+        # Batches are gathered concurrently: each keeps its own start, and sets the worker's
+        # task_started just before it answers (with no await between, nothing interleaves).
+        started = time.perf_counter()
+        error = self.init_error or self.fetch_error
+        if error is not None:
+            self.task_started = started
+            self._send(("err", task_id, generation, error))
+            return
+        # A stale batch is cancelled without an answer: the parent drops stale answers, and
+        # it does not wait for tasks of a pass it has left.
+        with anyio.CancelScope() as scope:
+            running = self.gathering.setdefault(generation, set())
+            running.add(scope)
+            try:
+                samples = await fetcher.gather(indices)
+            except Exception:
+                self.task_started = started
+                self._send(("err", task_id, generation, RemoteError(self.config.worker_id)))
+                return
+            finally:
+                running.discard(scope)
+                if not running and self.gathering.get(generation) is running:
+                    del self.gathering[generation]
+            # No await from here on: the collate and the answer are not interrupted.
+            self.task_started = started
+            self._produce(task_id, generation, lambda: fetcher.collate(samples))
+
+    async def _run_in_order(self, messages: Any) -> None:
+        async for message in messages:
+            if message[0] == "reset":
+                # A new epoch: the previous stream is closed and a new one opened (its
+                # __aiter__ runs now, after a resumed pass's state is loaded).
+                previous = self.fetcher
+                if previous is not None:
+                    with contextlib.suppress(Exception):
+                        await previous.aclose()
+                fetcher = self._new_async_fetcher(message[2])
+                try:
+                    await fetcher.start()
+                except Exception:
+                    self.fetch_error = RemoteError(self.config.worker_id)
+                continue
+            _, task_id, generation, indices = message
+            if generation < self.generation:
+                continue
+            await self._run_iterable_task(task_id, generation, indices)
+
+    async def _run_iterable_task(self, task_id: int, generation: int, indices: Any) -> None:
+        # One task at a time here (one stream), so the worker's task_started is this task's.
+        self.task_started = time.perf_counter()
+        error = self.init_error or self.fetch_error
+        if error is not None:
+            self._send(("err", task_id, generation, error))
+            return
+        if self.iteration_end:
+            self._send(("end", task_id, generation))
+            return
+        fetcher: AsyncFetcher = self.fetcher
+        try:
+            samples = await fetcher.gather(indices)
+        except StreamEnd:
+            self.iteration_end = True
+            self._send(("end", task_id, generation))
+            return
+        except Exception:
+            self._send(("err", task_id, generation, RemoteError(self.config.worker_id)))
+            return
+        # _produce sends where the stream stands after this batch ahead of it, for state_dict().
+        self._produce(task_id, generation, lambda: fetcher.collate(samples))
 
     def _send_batch(self, task_id: int, generation: int, data: Any, arena: Any) -> None:
         try:
@@ -369,3 +627,13 @@ class _Worker:
         # the seconds spent on this task (fetch, collate, copy into the slab), for the stats.
         busy_s = time.perf_counter() - self.task_started
         self.channel.send((*message, busy_s, self.pool.take_dropped()), fds)
+
+
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    """A worker's event loop: uvloop when installed, else asyncio's own."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop

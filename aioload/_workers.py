@@ -91,6 +91,7 @@ class WorkerSpec:
     max_worker_restarts: int = 0
     rank: int = 0
     world_size: int = 1
+    worker_concurrency: int = 1
 
 
 class _Worker:
@@ -201,6 +202,7 @@ class WorkerPool:
             max_idle_slabs=spec.prefetch_factor + 1,
             rank=spec.rank,
             world_size=spec.world_size,
+            worker_concurrency=spec.worker_concurrency,
         )
         process = self._ctx.Process(
             target=worker_main,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import warnings
 import weakref
@@ -15,6 +16,7 @@ from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampl
 from torch.utils.data._utils.collate import default_collate
 
 from . import _progress, _sync
+from ._async_fetch import is_async_dataset
 from ._fetch import PassPlan
 from ._inline import InlineSource
 from ._orchestrator import END, PENDING, Orchestrator
@@ -68,6 +70,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         seed_per_sample: bool = False,
         shard: str = "auto",
         progress: bool = False,
+        worker_concurrency: int = 1,
     ) -> None:
         if shard not in ("auto", "none"):
             raise ValueError(f"shard option should be 'auto' or 'none', but got shard={shard!r}")
@@ -126,6 +129,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 "worker would start its iterator over, so samples would repeat"
             )
         self.max_worker_restarts = max_worker_restarts
+        self.worker_concurrency = _check_worker_concurrency(
+            worker_concurrency, self.dataset, self._dataset_kind, worker_init_fn
+        )
         self.seed_per_sample = bool(seed_per_sample)
         self.shard = shard
         self._shard_sampler = shard_sampler
@@ -325,6 +331,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             max_worker_restarts=self.max_worker_restarts,
             rank=self._rank,
             world_size=self._world_size,
+            worker_concurrency=self.worker_concurrency,
         )
 
     def _draw_base_seed(self) -> int:
@@ -548,6 +555,36 @@ def _primed(sampler_iter: Iterator[Any]) -> Iterator[Any]:
     if first is _NOTHING:
         return iter(())
     return itertools.chain((first,), sampler_iter)
+
+
+def _check_worker_concurrency(
+    worker_concurrency: int, dataset: Any, dataset_kind: int, worker_init_fn: Any
+) -> int:
+    """Validate ``worker_concurrency`` (and an async ``worker_init_fn``) against the dataset:
+    concurrency comes from an async dataset's coroutines, which a sync dataset has none of."""
+    if (
+        not isinstance(worker_concurrency, int)
+        or isinstance(worker_concurrency, bool)
+        or worker_concurrency < 1
+    ):
+        raise ValueError(
+            "worker_concurrency option should be a positive integer, but got "
+            f"worker_concurrency={worker_concurrency!r}"
+        )
+    is_async = is_async_dataset(dataset, dataset_kind)
+    if worker_concurrency > 1 and not is_async:
+        raise ValueError(
+            f"worker_concurrency={worker_concurrency} needs an async dataset (`async def "
+            "__getitem__`, `async def __getitems__` or `__aiter__`); "
+            f"{type(dataset).__name__} is synchronous, so each worker fetches one sample at a "
+            "time (use more workers, or make the dataset async)"
+        )
+    if inspect.iscoroutinefunction(worker_init_fn) and not is_async:
+        raise ValueError(
+            "an async worker_init_fn needs an async dataset: it is awaited on the event loop "
+            f"an async dataset's worker runs, and {type(dataset).__name__} is synchronous"
+        )
+    return worker_concurrency
 
 
 def _check_device(device: str | torch.device | None) -> torch.device | None:

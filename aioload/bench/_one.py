@@ -33,7 +33,7 @@ from typing import Any
 
 import psutil
 
-from aioload.bench.workloads import count_items, make_dataset, touch
+from aioload.bench.workloads import WORKLOADS, count_items, make_dataset, touch
 
 FAKE_ENV = "AIOLOAD_BENCH_FAKE"
 LOADERS = ("torch", "aioload")
@@ -97,11 +97,18 @@ class RunConfig:
     cpu_iters: int
     min_seconds: float
     max_epochs: int
+    url: str = ""
+
+
+def _real_aioload(cfg: RunConfig) -> bool:
+    return cfg.loader == "aioload" and not fake_enabled()
 
 
 def _make_loader(cfg: RunConfig, dataset: object) -> Any:
     cls = resolve_loader(cfg.loader)
-    return cls(dataset, batch_size=cfg.batch_size, num_workers=cfg.num_workers)
+    workload = WORKLOADS.get(cfg.workload)
+    extra = dict(workload.aioload_kwargs) if workload and _real_aioload(cfg) else {}
+    return cls(dataset, batch_size=cfg.batch_size, num_workers=cfg.num_workers, **extra)
 
 
 def run_sync(cfg: RunConfig, dataset: object) -> Meter:
@@ -170,7 +177,9 @@ def _new_uvloop() -> asyncio.AbstractEventLoop:
 
 
 def measure(cfg: RunConfig) -> dict[str, Any]:
-    dataset = make_dataset(cfg.workload, cfg.size, cfg.cpu_iters)
+    dataset = make_dataset(
+        cfg.workload, cfg.size, cfg.cpu_iters, asynchronous=_real_aioload(cfg), url=cfg.url
+    )
     rss_baseline = psutil.Process().memory_info().rss
     if cfg.mode == "sync":
         m = run_sync(cfg, dataset)
@@ -224,6 +233,7 @@ def parse_args(argv: list[str] | None) -> RunConfig:
     p.add_argument("--cpu-iters", type=int, default=0)
     p.add_argument("--min-seconds", type=float, default=2.0)
     p.add_argument("--max-epochs", type=int, default=100)
+    p.add_argument("--url", default="", help="the HTTP server (http workload)")
     a = p.parse_args(argv)
     return RunConfig(
         loader=a.loader,
@@ -235,6 +245,7 @@ def parse_args(argv: list[str] | None) -> RunConfig:
         cpu_iters=a.cpu_iters,
         min_seconds=a.min_seconds,
         max_epochs=a.max_epochs,
+        url=a.url,
     )
 
 

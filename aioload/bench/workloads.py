@@ -3,16 +3,25 @@
 The same dataset class (and constructor arguments) is used for both loaders; datasets are
 deliberately cheap to produce so that what is measured is the loader's transport and
 per-batch overhead, not sample generation.
+
+The exceptions are the latency-bound workloads (``latency``, ``http``): there the point is an
+async dataset, so torch reads the synchronous version of the same data and aioload the async
+one, with ``worker_concurrency`` (``Workload.aioload_kwargs``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
+
+from aioload.bench.httpserver import file_name
 
 IMAGE_SHAPE: tuple[int, int, int] = (3, 224, 224)
 IMAGE_POOL: int = 4
@@ -90,6 +99,134 @@ def calibrate_cpu_iters(target_s: float = 1e-3, probe_iters: int = 50_000) -> in
     return max(1, round(probe_iters * target_s / best))
 
 
+LATENCY_S = 0.020
+"""Simulated per-sample latency of the ``latency`` workload, and the ``http`` server's."""
+
+
+class LatencyDataset(Dataset[torch.Tensor]):
+    """Each sample waits ``latency`` seconds, blocking (``time.sleep``): a network read one
+    request at a time, as torch's workers do it."""
+
+    def __init__(self, n: int, latency: float = LATENCY_S) -> None:
+        self.n = n
+        self.latency = latency
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        time.sleep(self.latency)
+        return torch.tensor(index)
+
+
+class AsyncLatencyDataset(Dataset[torch.Tensor]):
+    """The same, awaiting (``asyncio.sleep``): many samples can wait at once."""
+
+    def __init__(self, n: int, latency: float = LATENCY_S) -> None:
+        self.n = n
+        self.latency = latency
+
+    def __len__(self) -> int:
+        return self.n
+
+    # torch types Dataset.__getitem__ as synchronous; aioload accepts a coroutine function.
+    async def __getitem__(self, index: int) -> torch.Tensor:  # type: ignore[override]
+        await asyncio.sleep(self.latency)
+        return torch.tensor(index)
+
+
+def _head(content: bytes) -> torch.Tensor:
+    # Every generated file has at least 16 bytes; a fixed-size sample collates by default.
+    return torch.frombuffer(bytearray(content[:16]), dtype=torch.uint8)
+
+
+# Plain http:// on loopback, so no TLS: without verify=False, every httpx client loads the CA
+# bundle when it is made (130 ms for the first in a process, 20 ms after; 1 ms without), which
+# would land in the time to first batch of both loaders.
+_VERIFY = False
+
+
+def _import_httpx() -> None:
+    """Import httpx and its transport, httpcore, in the parent, before workers fork: httpx
+    imports httpcore (and with it trio, when installed) only when its first client is made,
+    ~70 ms that every worker would otherwise pay before its first request."""
+    import httpcore  # noqa: F401
+    import httpx  # noqa: F401
+
+
+class HttpDataset(Dataset[torch.Tensor]):
+    """File ``i`` from an HTTP server, with a blocking ``httpx.Client`` (one per process, made
+    on first use). The sample is the file's first 16 bytes."""
+
+    def __init__(self, n: int, url: str) -> None:
+        _import_httpx()
+
+        self.n = n
+        self.url = url
+        self._client: tuple[int, Any] | None = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        import httpx
+
+        if self._client is None or self._client[0] != os.getpid():
+            self._client = (
+                os.getpid(),
+                httpx.Client(base_url=self.url, timeout=60.0, verify=_VERIFY),
+            )
+        response = self._client[1].get("/" + file_name(index))
+        response.raise_for_status()
+        return _head(response.content)
+
+
+# httpx's connection pool does work proportional to (requests waiting) x (connections) on every
+# event, polling each connection's socket (encode/httpx#3215): one AsyncClient with 32
+# connections managed about 270 requests/s against this server, four clients of 8 connections
+# about 970 (measured on the benchmark machine, 20 ms latency). So requests are spread over
+# small clients.
+_CONNECTIONS_PER_CLIENT = 8
+
+
+class AsyncHttpDataset(Dataset[torch.Tensor]):
+    """The same with ``httpx.AsyncClient``: the clients are opened in each worker, on its
+    loop, by the dataset's async context (aioload enters it once per worker)."""
+
+    def __init__(self, n: int, url: str, concurrency: int = 32) -> None:
+        _import_httpx()
+
+        self.n = n
+        self.url = url
+        self.concurrency = concurrency
+        self.clients: list[Any] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    async def __aenter__(self) -> AsyncHttpDataset:
+        import httpx
+
+        per = _CONNECTIONS_PER_CLIENT
+        limits = httpx.Limits(max_connections=per, max_keepalive_connections=per)
+        self.clients = [
+            httpx.AsyncClient(base_url=self.url, limits=limits, timeout=60.0, verify=_VERIFY)
+            for _ in range(max(1, -(-self.concurrency // per)))
+        ]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        clients, self.clients = self.clients, []
+        for client in clients:
+            await client.aclose()
+
+    async def __getitem__(self, index: int) -> torch.Tensor:  # type: ignore[override]
+        client = self.clients[index % len(self.clients)]
+        response = await client.get("/" + file_name(index))
+        response.raise_for_status()
+        return _head(response.content)
+
+
 @dataclass(frozen=True)
 class Workload:
     name: str
@@ -98,7 +235,11 @@ class Workload:
     num_workers: int
     target_ratio: float
     description: str
+    # Extra DataLoader arguments on the aioload side (with the async dataset).
+    aioload_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
+
+CONCURRENCY = 32
 
 WORKLOADS: dict[str, Workload] = {
     w.name: w
@@ -106,17 +247,46 @@ WORKLOADS: dict[str, Workload] = {
         Workload("tiny", 1_000_000, 256, 2, 2.0, "scalar tensors, per-batch overhead"),
         Workload("image", 80_000, 64, 2, 4.0, "uint8 3x224x224, transport bandwidth"),
         Workload("cpu", 5_000, 32, 2, 1.0, "~1 ms pure Python per sample, compute scaling"),
+        Workload(
+            "latency",
+            4_096,
+            32,
+            2,
+            15.0,
+            f"{LATENCY_S * 1e3:g} ms wait per sample: time.sleep (torch) vs asyncio.sleep "
+            f"(aioload, worker_concurrency={CONCURRENCY})",
+            {"worker_concurrency": CONCURRENCY},
+        ),
+        Workload(
+            "http",
+            2_048,
+            32,
+            2,
+            5.0,
+            f"small files over loopback HTTP, {LATENCY_S * 1e3:g} ms server latency: httpx.Client "
+            f"(torch) vs httpx.AsyncClient (aioload, worker_concurrency={CONCURRENCY})",
+            {"worker_concurrency": CONCURRENCY},
+        ),
     )
 }
 
 
-def make_dataset(name: str, size: int, cpu_iters: int) -> Dataset[torch.Tensor]:
+def make_dataset(
+    name: str, size: int, cpu_iters: int, *, asynchronous: bool = False, url: str = ""
+) -> Dataset[torch.Tensor]:
+    """The workload's dataset; ``asynchronous`` picks the async version where there is one."""
     if name == "tiny":
         return TinyDataset(size)
     if name == "image":
         return ImageDataset(size)
     if name == "cpu":
         return CpuDataset(size, cpu_iters)
+    if name == "latency":
+        return AsyncLatencyDataset(size) if asynchronous else LatencyDataset(size)
+    if name == "http":
+        if not url:
+            raise ValueError("the http workload needs the server's url")
+        return AsyncHttpDataset(size, url, CONCURRENCY) if asynchronous else HttpDataset(size, url)
     raise ValueError(f"unknown workload {name!r}")
 
 

@@ -63,7 +63,9 @@ class Killer:
     def _run(self) -> None:
         while len(self.kills) < self.count and not self.stop.is_set():
             time.sleep(self.rng.uniform(0.01, 0.06))
-            workers = _live_workers()
+            # A worker killed a moment ago may not be reaped yet: killing it again would count
+            # one death twice.
+            workers = [w for w in _live_workers() if w.pid not in self.kills]
             if workers:
                 victim = self.rng.choice(workers)
                 try:

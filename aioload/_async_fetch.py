@@ -1,0 +1,350 @@
+"""The fetch step for async datasets: ``async def __getitem__``, ``async def __getitems__``
+(or ``getitems``), or ``__aiter__``, fetched on an event loop with many samples in flight.
+
+It has the same responsibilities as ``_fetch.Fetcher`` (torch's fetchers, then ``collate_fn``,
+``seed_per_sample``, and resume of an IterableDataset from a ``PassPlan``), split in two so
+that the caller can put the synchronous collate where it wants it (a worker collates into a
+shared-memory slab): ``await gather(indices)`` returns the samples, ``collate(samples)`` the
+batch.
+
+It runs on whatever loop awaits it: a worker's own asyncio/uvloop loop, the consumer's loop
+under ``async for`` with ``num_workers=0`` (asyncio, uvloop or trio), or the sync front end's
+private loop. So everything here uses anyio, never asyncio directly.
+
+Two things differ from the sync fetcher:
+
+- a failing sample cancels its batch's sibling fetches (they share a task group), and the
+  batch fails with the original exception, not an ExceptionGroup;
+- ``seed_per_sample`` cannot seed the global RNGs once before a sample, because concurrent
+  samples interleave at every ``await``. Each sample's coroutine instead runs inside
+  ``_OwnRng``, which installs that sample's RNG states before every step of the coroutine and
+  saves them after, so each sample draws from its own stream whatever the interleaving, and
+  whoever runs between two steps (a sibling, or the consumer's own tasks) sees its own.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+from collections.abc import Awaitable, Generator
+from typing import Any, TypeVar
+
+import anyio
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset
+
+from ._fetch import PassPlan, _has_state_dict, _seed_all, sample_seed
+
+__all__ = [
+    "AsyncFetcher",
+    "AsyncIterableDataset",
+    "StreamEnd",
+    "has_async_context",
+    "is_async_dataset",
+]
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class AsyncIterableDataset(IterableDataset[T_co]):
+    """Base class for an IterableDataset that yields its samples from ``__aiter__``.
+
+    torch's IterableDataset makes ``__iter__`` abstract; this base class fills it in with a
+    clear error, so a subclass needs only ``__aiter__``. (Any IterableDataset that defines
+    ``__aiter__`` is read asynchronously by aioload; subclassing this one is a convenience.)
+    """
+
+    def __iter__(self) -> Any:
+        raise TypeError(
+            f"{type(self).__name__} is an async dataset: read it with aioload.DataLoader, "
+            "which iterates it with `async for` on an event loop"
+        )
+
+    def __aiter__(self) -> Any:
+        raise NotImplementedError
+
+
+# -- detection -------------------------------------------------------------------------------
+
+
+def _batched_hook(dataset: Any) -> Any:
+    """The dataset's async batched fetch (torch's ``__getitems__`` name, or ``getitems``)."""
+    for name in ("__getitems__", "getitems"):
+        method = getattr(type(dataset), name, None)
+        if method is not None and inspect.iscoroutinefunction(method):
+            return getattr(dataset, name)
+    return None
+
+
+def is_async_dataset(dataset: Any, dataset_kind: int) -> bool:
+    """Whether aioload fetches ``dataset`` with ``AsyncFetcher``: a map-style dataset whose
+    ``__getitem__`` or batched hook is ``async def``, or an IterableDataset with
+    ``__aiter__`` (preferred over its ``__iter__`` when it has both). Decided from the class,
+    so it is the same in the parent and in every worker."""
+    if dataset_kind == 1:
+        return callable(getattr(type(dataset), "__aiter__", None))
+    getitem = getattr(type(dataset), "__getitem__", None)
+    return inspect.iscoroutinefunction(getitem) or _batched_hook(dataset) is not None
+
+
+def has_async_context(dataset: Any) -> bool:
+    """Whether the dataset asks for per-worker async setup: it is an async context manager,
+    entered once per worker on the worker's loop and exited when the worker shuts down."""
+    kind = type(dataset)
+    return inspect.iscoroutinefunction(
+        getattr(kind, "__aenter__", None)
+    ) and inspect.iscoroutinefunction(getattr(kind, "__aexit__", None))
+
+
+class StreamEnd(Exception):
+    """An async IterableDataset's stream is done (``StopIteration`` cannot cross an await)."""
+
+
+# -- one RNG stream per sample ---------------------------------------------------------------
+
+
+class _RngStates:
+    """The global ``random``, torch (CPU) and numpy RNG states."""
+
+    __slots__ = ("numpy", "python", "torch")
+
+    def __init__(self) -> None:
+        self.python = random.getstate()
+        self.torch = torch.get_rng_state()
+        self.numpy = np.random.get_state()
+
+    def install(self) -> None:
+        random.setstate(self.python)
+        torch.set_rng_state(self.torch)
+        np.random.set_state(self.numpy)
+
+
+def _seeded_states(seed: int) -> _RngStates:
+    """The RNG states that seeding with ``seed`` gives, without changing the current ones."""
+    current = _RngStates()
+    _seed_all(seed)
+    seeded = _RngStates()
+    current.install()
+    return seeded
+
+
+class _OwnRng(Awaitable[T]):
+    """Awaits ``awaitable`` step by step, each step under its own RNG states.
+
+    A coroutine runs in steps: from one suspension to the next. Before each step the sample's
+    states are installed, after it they are saved and whatever was there before is put back.
+    The sample thus sees one uninterrupted seeded stream, and everyone else (sibling samples,
+    the consumer's tasks on a shared loop, the caller's training RNG) sees theirs. Works on any
+    loop: it only relays what the coroutine yields to the loop, and what the loop sends or
+    throws back (including cancellation).
+    """
+
+    __slots__ = ("_awaitable", "_states")
+
+    def __init__(self, awaitable: Awaitable[T], states: _RngStates) -> None:
+        self._awaitable = awaitable
+        self._states = states
+
+    def __await__(self) -> Generator[Any, Any, T]:
+        steps: Any = self._awaitable.__await__()
+        to_send: Any = None
+        to_throw: BaseException | None = None
+        while True:
+            theirs = _RngStates()
+            self._states.install()
+            try:
+                if to_throw is not None:
+                    # Dropped before the step: a kept reference would tie the exception's
+                    # traceback (and this frame) into a cycle.
+                    exc, to_throw = to_throw, None
+                    signal = steps.throw(exc)
+                    del exc
+                else:
+                    signal = steps.send(to_send)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            finally:
+                self._states = _RngStates()
+                theirs.install()
+            try:
+                to_send = yield signal
+            except GeneratorExit:
+                # This wrapper is being closed (its task was abandoned): close the sample too.
+                steps.close()
+                raise
+            except BaseException as exc:
+                # Cancellation, or anything else the loop throws in: the sample must see it.
+                to_send, to_throw = None, exc
+
+
+# -- the fetcher -----------------------------------------------------------------------------
+
+
+class AsyncFetcher:
+    """``Fetcher``'s counterpart for async datasets. At most ``concurrency`` per-index fetches
+    of this fetcher are in flight at once, across every batch it is gathering."""
+
+    def __init__(
+        self,
+        dataset_kind: int,
+        dataset: Any,
+        auto_collation: bool,
+        collate_fn: Any,
+        drop_last: bool,
+        plan: PassPlan,
+        concurrency: int = 1,
+    ) -> None:
+        self.iterable = dataset_kind == 1
+        self.dataset = dataset
+        self.auto_collation = auto_collation
+        self.collate_fn = collate_fn
+        self.drop_last = drop_last
+        self.plan = plan
+        self.concurrency = concurrency
+        self.seeded = plan.sample_seed is not None
+        self.samples_seen = 0
+        self.ended = plan.ended
+        self.stateful = self.iterable and _has_state_dict(dataset)
+        self.batched = None if self.iterable else _batched_hook(dataset)
+        self.stream: Any = None
+        self.started = False
+        # Made on first use: an anyio semaphore belongs to the loop (and backend) it is used on.
+        self._slots: anyio.Semaphore | None = None
+
+    async def fetch(self, indices: Any) -> Any:
+        return self.collate(await self.gather(indices))
+
+    def collate(self, samples: Any) -> Any:
+        return self.collate_fn(samples)
+
+    async def gather(self, indices: Any) -> Any:
+        """The samples of one batch (a list; one sample without auto-collation). Raises
+        StreamEnd when an IterableDataset's stream is done."""
+        if self.iterable:
+            return await self._gather_iterable(indices)
+        return await self._gather_map(indices)
+
+    def state(self) -> Any:
+        """The dataset's state now (after the batch just gathered), for a checkpoint."""
+        return self.dataset.state_dict() if self.stateful else None
+
+    async def aclose(self) -> None:
+        """Close an IterableDataset's async generator on the loop it ran on (its ``finally``
+        blocks may await)."""
+        stream, self.stream = self.stream, None
+        close = getattr(stream, "aclose", None)
+        if close is not None:
+            await close()
+
+    def _own_rng(self, awaitable: Awaitable[T], key: Any) -> Awaitable[T]:
+        if not self.seeded:
+            return awaitable
+        assert self.plan.sample_seed is not None
+        seed = sample_seed(self.plan.sample_seed, self.plan.epoch, key)
+        return _OwnRng(awaitable, _seeded_states(seed))
+
+    # -- map-style ---------------------------------------------------------------------------
+
+    async def _gather_map(self, indices: Any) -> Any:
+        if not self.auto_collation:
+            return await self._own_rng(self.dataset[indices], indices)
+        if self.batched is not None:
+            # One call for the whole batch, seeded from its first index as the sync fetcher
+            # does; the dataset decides its own concurrency.
+            return await self._own_rng(self.batched(indices), indices[0] if len(indices) else 0)
+        if self._slots is None:
+            self._slots = anyio.Semaphore(self.concurrency)
+        samples: list[Any] = [None] * len(indices)
+        if self.concurrency == 1 or len(indices) == 1:
+            # Nothing to overlap within the batch: no task group. The slot still counts, as
+            # a worker may be gathering several batches at once.
+            for position, index in enumerate(indices):
+                async with self._slots:
+                    samples[position] = await self._own_rng(self.dataset[index], index)
+            return samples
+        failures: list[Exception] = []
+        async with anyio.create_task_group() as batch:
+            for position, index in enumerate(indices):
+                batch.start_soon(self._fetch_into, samples, position, index, failures, batch)
+        if failures:
+            # The first failure, as itself (not an ExceptionGroup): the consumer sees the
+            # dataset's own exception type, as with a sync dataset.
+            failure = failures.pop(0)
+            failures.clear()
+            try:
+                raise failure
+            finally:
+                del failure
+        return samples
+
+    async def _fetch_into(
+        self,
+        samples: list[Any],
+        position: int,
+        index: Any,
+        failures: list[Exception],
+        batch: anyio.abc.TaskGroup,
+    ) -> None:
+        assert self._slots is not None
+        try:
+            async with self._slots:
+                samples[position] = await self._own_rng(self.dataset[index], index)
+        except Exception as exc:
+            # Cancellation is a BaseException and passes through. A real failure cancels the
+            # siblings: the batch is lost anyway, and their requests need not finish.
+            failures.append(exc)
+            batch.cancel_scope.cancel()
+
+    # -- iterable ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the stream: load the checkpointed state, or fast-forward past what was yielded
+        before. (``gather`` does it on first use when nobody called it.)"""
+        self.started = True
+        if self.ended:
+            return
+        plan = self.plan
+        if plan.has_state:
+            self.dataset.load_state_dict(plan.dataset_state)
+            self.stream = self.dataset.__aiter__()
+            self.samples_seen = plan.samples_seen
+            return
+        self.stream = self.dataset.__aiter__()
+        try:
+            for _ in range(plan.samples_seen):
+                await self._next_sample()
+        except StopAsyncIteration:
+            self.ended = True  # shorter than it was: nothing is left to yield
+
+    async def _next_sample(self) -> Any:
+        # Named by stream and position, as in the sync fetcher.
+        sample = await self._own_rng(
+            self.stream.__anext__(), (self.plan.stream_id, self.samples_seen)
+        )
+        self.samples_seen += 1
+        return sample
+
+    async def _gather_iterable(self, indices: Any) -> Any:
+        if not self.started:
+            await self.start()
+        if self.ended:
+            raise StreamEnd
+        if not self.auto_collation:
+            try:
+                return await self._next_sample()
+            except StopAsyncIteration:
+                self.ended = True
+                raise StreamEnd from None
+        samples: list[Any] = []
+        for _ in indices:
+            try:
+                samples.append(await self._next_sample())
+            except StopAsyncIteration:
+                self.ended = True
+                break
+        if not samples or (self.drop_last and len(samples) < len(indices)):
+            self.ended = True
+            raise StreamEnd
+        return samples

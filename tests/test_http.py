@@ -1,0 +1,252 @@
+"""A real HTTP server on 127.0.0.1 serving a few thousand small files, read through aioload by
+an async dataset (``httpx.AsyncClient``, one per worker, opened in the dataset's async context)
+and by a sync one (a blocking ``httpx.Client``): bytes, order, exactly-once delivery, and the
+failures a network has (404, a reset connection, a server that stalls past ``timeout``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+import aioload
+from aioload.bench.httpserver import FileServer, file_bytes, make_files
+
+pytestmark = pytest.mark.timeout(60)
+
+NUM_FILES = 3000
+
+
+@pytest.fixture(scope="module")
+def _server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FileServer, list[str]]]:
+    directory = tmp_path_factory.mktemp("files")
+    names = make_files(directory, NUM_FILES)
+    server = FileServer(directory).start()
+    yield server, names
+    server.stop()
+
+
+@pytest.fixture
+def server(
+    no_leaks: None, _server: tuple[FileServer, list[str]]
+) -> Iterator[tuple[FileServer, list[str]]]:
+    """The module's server, for one test. Set up after ``no_leaks`` and so torn down before it:
+    stalled requests are let go and the server's side of every connection is closed before
+    descriptors are counted."""
+    server, names = _server
+    server.released.clear()
+    yield server, names
+    server.release()
+    assert server.wait_idle(), "the server still has open connections"
+
+
+def keep_list(samples: list[Any]) -> list[Any]:
+    return samples
+
+
+class AsyncFiles(Dataset[tuple[int, bytes]]):
+    """Reads ``base_url/paths[i]``; one ``httpx.AsyncClient`` per worker, opened on the worker's
+    loop when it starts and closed when it stops."""
+
+    def __init__(self, base_url: str, paths: list[str]) -> None:
+        self.base_url = base_url
+        self.paths = paths
+        self.client: httpx.AsyncClient | None = None
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    async def __aenter__(self) -> AsyncFiles:
+        self.client = httpx.AsyncClient(base_url=self.base_url, timeout=30.0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+            self.client = None
+
+    async def __getitem__(self, i: int) -> tuple[int, bytes]:
+        assert self.client is not None
+        response = await self.client.get("/" + self.paths[i])
+        response.raise_for_status()
+        return i, response.content
+
+
+class SyncFiles(Dataset[tuple[int, bytes]]):
+    """The same with a blocking client, made lazily in each process that reads."""
+
+    def __init__(self, base_url: str, paths: list[str]) -> None:
+        self.base_url = base_url
+        self.paths = paths
+        self._client: tuple[int, httpx.Client] | None = None
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def _get(self, path: str) -> httpx.Response:
+        if self._client is None or self._client[0] != os.getpid():
+            self._client = (os.getpid(), httpx.Client(base_url=self.base_url, timeout=30.0))
+        return self._client[1].get(path)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client[1].close()
+            self._client = None
+
+    def __getitem__(self, i: int) -> tuple[int, bytes]:
+        response = self._get("/" + self.paths[i])
+        response.raise_for_status()
+        return i, response.content
+
+
+def _check(batches: list[list[tuple[int, bytes]]], expected_order: list[int]) -> None:
+    order = [i for batch in batches for i, _ in batch]
+    assert order == expected_order
+    for batch in batches:
+        for i, content in batch:
+            assert content == file_bytes(i)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_async_dataset_reads_every_file_once_in_order(
+    num_workers: int, server: tuple[FileServer, list[str]]
+) -> None:
+    http, names = server
+    generator = torch.Generator().manual_seed(5)
+    loader = aioload.DataLoader(
+        AsyncFiles(http.url, names),
+        batch_size=50,
+        shuffle=True,
+        generator=generator,
+        num_workers=num_workers,
+        collate_fn=keep_list,
+        worker_concurrency=16,
+    )
+    # The order torch's own loader draws with the same generator.
+    torch_order = torch.utils.data.DataLoader(
+        range(NUM_FILES), batch_size=50, shuffle=True, generator=torch.Generator().manual_seed(5)
+    )
+    expected = [int(i) for batch in torch_order for i in batch]
+    batches = list(loader)
+    _check(batches, expected)
+    assert sorted(expected) == list(range(NUM_FILES))  # every file, exactly once
+
+
+def test_async_for_and_sync_dataset_agree(server: tuple[FileServer, list[str]]) -> None:
+    http, names = server
+    subset = names[:400]
+
+    async def read_async() -> list[Any]:
+        loader = aioload.DataLoader(
+            AsyncFiles(http.url, subset),
+            batch_size=16,
+            num_workers=2,
+            collate_fn=keep_list,
+            worker_concurrency=8,
+        )
+        return [batch async for batch in loader]
+
+    async_batches = asyncio.run(read_async())
+    sync_dataset = SyncFiles(http.url, subset)
+    sync_batches = list(
+        aioload.DataLoader(sync_dataset, batch_size=16, num_workers=2, collate_fn=keep_list)
+    )
+    sync_dataset.close()
+    assert async_batches == sync_batches
+    _check(async_batches, list(range(400)))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_404(num_workers: int, server: tuple[FileServer, list[str]]) -> None:
+    http, names = server
+    paths = names[:20]
+    paths[13] = "missing/" + paths[13]
+    loader = aioload.DataLoader(
+        AsyncFiles(http.url, paths),
+        batch_size=5,
+        num_workers=num_workers,
+        collate_fn=keep_list,
+        worker_concurrency=5,
+    )
+    it = iter(loader)
+    _check([next(it), next(it)], list(range(10)))
+    # httpx.HTTPStatusError cannot be built from a message alone, so from a worker it arrives
+    # as aioload's WorkerError (a RuntimeError) carrying its name and the worker's traceback.
+    expected = httpx.HTTPStatusError if num_workers == 0 else aioload.WorkerError
+    with pytest.raises(expected, match="404"):
+        next(it)
+    _check(list(it), list(range(15, 20)))  # the epoch goes on
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_connection_reset(num_workers: int, server: tuple[FileServer, list[str]]) -> None:
+    http, names = server
+    paths = names[:12]
+    paths[6] = "reset/" + paths[6]
+    loader = aioload.DataLoader(
+        AsyncFiles(http.url, paths),
+        batch_size=4,
+        num_workers=num_workers,
+        collate_fn=keep_list,
+        worker_concurrency=4,
+    )
+    it = iter(loader)
+    _check([next(it)], list(range(4)))
+    with pytest.raises(httpx.TransportError) as caught:
+        next(it)
+    # The original type (ReadError or RemoteProtocolError, by timing), from the worker.
+    if num_workers:
+        assert "in DataLoader worker process 1" in str(caught.value)
+    _check(list(it), list(range(8, 12)))
+
+
+def test_sync_dataset_connection_reset(server: tuple[FileServer, list[str]]) -> None:
+    http, names = server
+    paths = names[:8]
+    paths[5] = "reset/" + paths[5]
+    dataset = SyncFiles(http.url, paths)
+    loader = aioload.DataLoader(dataset, batch_size=4, num_workers=2, collate_fn=keep_list)
+    it = iter(loader)
+    _check([next(it)], list(range(4)))
+    with pytest.raises(httpx.TransportError, match="in DataLoader worker process 1"):
+        next(it)
+
+
+def test_stalled_server_times_out_and_workers_shut_down(
+    server: tuple[FileServer, list[str]],
+) -> None:
+    http, names = server
+    paths = names[:16]
+    paths[9] = "stall/" + paths[9]
+    loader = aioload.DataLoader(
+        AsyncFiles(http.url, paths),
+        batch_size=4,
+        num_workers=2,
+        collate_fn=keep_list,
+        timeout=1.0,
+        worker_concurrency=4,
+    )
+    it = iter(loader)
+    _check([next(it), next(it)], list(range(8)))
+    start = time.monotonic()
+    with pytest.raises(aioload.DataLoaderTimeoutError, match=r"holding indices \[8, 9, 10, 11\]"):
+        next(it)
+    assert time.monotonic() - start < 3
+    start = time.monotonic()
+    it.close()  # the stalled fetch is cancelled, its client closed, the worker exits
+    assert time.monotonic() - start < 1.0
+
+
+def test_sync_dataset_blocking_client_reads_in_order(server: tuple[FileServer, list[str]]) -> None:
+    http, names = server
+    dataset = SyncFiles(http.url, names[:300])
+    batches = list(aioload.DataLoader(dataset, batch_size=10, num_workers=2, collate_fn=keep_list))
+    dataset.close()
+    _check(batches, list(range(300)))
