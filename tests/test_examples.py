@@ -29,6 +29,7 @@ EXPECTED: dict[str, list[str]] = {
     "async_training_loop.py": ["epoch 1: accuracy", "event loop:", "checkpoint"],
     "trio_loop.py": ["8 batches, 512 signals", "cancelled pass: cleaned up"],
     "iterable_sharded.py": ["read each of 2000 records exactly once"],
+    "http_dataset.py": ["aioload, async dataset, 2 workers x 32 in flight", "files/s"],
     "distributed_training.py": ["epoch 0: 2 rank(s) x 1 worker(s)", "one loader state per rank"],
 }
 
