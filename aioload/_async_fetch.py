@@ -25,16 +25,13 @@ Two things differ from the sync fetcher:
 from __future__ import annotations
 
 import inspect
-import random
 from collections.abc import Awaitable, Generator
 from typing import Any, TypeVar
 
 import anyio
-import numpy as np
-import torch
 from torch.utils.data import IterableDataset
 
-from ._fetch import PassPlan, _has_state_dict, _seed_all, sample_seed
+from ._fetch import PassPlan, RngStates, _has_state_dict, _seed_all, sample_seed
 
 __all__ = [
     "AsyncFetcher",
@@ -105,27 +102,11 @@ class StreamEnd(Exception):
 # -- one RNG stream per sample ---------------------------------------------------------------
 
 
-class _RngStates:
-    """The global ``random``, torch (CPU) and numpy RNG states."""
-
-    __slots__ = ("numpy", "python", "torch")
-
-    def __init__(self) -> None:
-        self.python = random.getstate()
-        self.torch = torch.get_rng_state()
-        self.numpy = np.random.get_state()
-
-    def install(self) -> None:
-        random.setstate(self.python)
-        torch.set_rng_state(self.torch)
-        np.random.set_state(self.numpy)
-
-
-def _seeded_states(seed: int) -> _RngStates:
+def _seeded_states(seed: int) -> RngStates:
     """The RNG states that seeding with ``seed`` gives, without changing the current ones."""
-    current = _RngStates()
+    current = RngStates()
     _seed_all(seed)
-    seeded = _RngStates()
+    seeded = RngStates()
     current.install()
     return seeded
 
@@ -143,7 +124,7 @@ class _OwnRng(Awaitable[T]):
 
     __slots__ = ("_awaitable", "_states")
 
-    def __init__(self, awaitable: Awaitable[T], states: _RngStates) -> None:
+    def __init__(self, awaitable: Awaitable[T], states: RngStates) -> None:
         self._awaitable = awaitable
         self._states = states
 
@@ -152,7 +133,7 @@ class _OwnRng(Awaitable[T]):
         to_send: Any = None
         to_throw: BaseException | None = None
         while True:
-            theirs = _RngStates()
+            theirs = RngStates()
             self._states.install()
             try:
                 if to_throw is not None:
@@ -166,7 +147,7 @@ class _OwnRng(Awaitable[T]):
             except StopIteration as done:
                 return done.value  # type: ignore[no-any-return]
             finally:
-                self._states = _RngStates()
+                self._states = RngStates()
                 theirs.install()
             try:
                 to_send = yield signal

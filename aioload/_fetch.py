@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Fetcher", "PassPlan", "sample_seed"]
+__all__ = ["Fetcher", "PassPlan", "RngStates", "sample_seed"]
 
 
 @dataclass(frozen=True)
@@ -76,16 +76,20 @@ def _seed_all(seed: int) -> None:
     np.random.seed((seed ^ (seed >> 32)) & 0xFFFF_FFFF)
 
 
-class _SavedRng:
-    """The calling process's RNG states, put back after a seeded fetch: with
-    ``num_workers=0``, seed_per_sample must not reseed the user's own training RNGs."""
+class RngStates:
+    """A snapshot of the global ``random``, torch (CPU) and numpy RNG states. Put back after a
+    seeded fetch in the calling process (with ``num_workers=0``, seed_per_sample must not
+    reseed the user's own training RNGs), and swapped in and out around each step of an async
+    sample's coroutine."""
+
+    __slots__ = ("numpy", "python", "torch")
 
     def __init__(self) -> None:
         self.python = random.getstate()
         self.torch = torch.get_rng_state()
         self.numpy = np.random.get_state()
 
-    def restore(self) -> None:
+    def install(self) -> None:
         random.setstate(self.python)
         torch.set_rng_state(self.torch)
         np.random.set_state(self.numpy)
@@ -128,7 +132,7 @@ class Fetcher:
                 self.stream = iter(dataset)
                 # Fast-forward: draw (seeded as before) and drop what the checkpointed run had
                 # already yielded, so the stream and its count are where they were.
-                saved = _SavedRng() if self.restore_rng else None
+                saved = RngStates() if self.restore_rng else None
                 try:
                     for _ in range(plan.samples_seen):
                         self._next_sample()
@@ -136,17 +140,17 @@ class Fetcher:
                     self.ended = True  # shorter than it was: nothing is left to yield
                 finally:
                     if saved is not None:
-                        saved.restore()
+                        saved.install()
 
     def fetch(self, indices: Any) -> Any:
         if self.iterable:
             return self._fetch_iterable(indices)
-        saved = _SavedRng() if self.restore_rng else None
+        saved = RngStates() if self.restore_rng else None
         try:
             return self._fetch_map(indices)
         finally:
             if saved is not None:
-                saved.restore()
+                saved.install()
 
     def state(self) -> Any:
         """The dataset's state now (after the batch just fetched), for a checkpoint."""
@@ -195,7 +199,7 @@ class Fetcher:
     def _fetch_iterable(self, indices: Any) -> Any:
         if self.ended:
             raise StopIteration
-        saved = _SavedRng() if self.restore_rng else None
+        saved = RngStates() if self.restore_rng else None
         try:
             if self.auto_collation:
                 data = []
@@ -216,7 +220,7 @@ class Fetcher:
                     raise
         finally:
             if saved is not None:
-                saved.restore()
+                saved.install()
         return self.collate_fn(data)
 
 

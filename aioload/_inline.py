@@ -131,14 +131,7 @@ class InlineSource:
                     in_calling_process=True,
                 )
             batch = self.fetcher.fetch(indices)
-            if self.fetcher.iterable:
-                # A copy: in this process the dataset's state object may be the live one,
-                # which later batches would change under the checkpoint.
-                self.stream_states[task_id] = (
-                    self.fetcher.samples_seen,
-                    copy.deepcopy(self.fetcher.state()),
-                    self.fetcher.ended,
-                )
+            self._record_stream(task_id)
             return ("ok", batch)
         except StopIteration as exc:
             if spec.dataset_kind == 1:
@@ -147,6 +140,16 @@ class InlineSource:
         except Exception as exc:
             # Raised as it is, with its own traceback, as torch does in this mode.
             return ("raise", exc)
+
+    def _record_stream(self, task_id: int) -> None:
+        """Where an IterableDataset's stream stands after this task's batch (for state_dict),
+        as a worker's "state" frame says it."""
+        fetcher = self.fetcher
+        if fetcher.iterable:
+            # A copy: in this process the dataset's state object may be the live one, which
+            # later batches would change under the checkpoint.
+            state = copy.deepcopy(fetcher.state())
+            self.stream_states[task_id] = (fetcher.samples_seen, state, fetcher.ended)
 
     async def _fetch_async(self, task_id: int, indices: Any) -> Outcome:
         spec = self.spec
@@ -165,12 +168,7 @@ class InlineSource:
                     spec.worker_concurrency,
                 )
             batch = await self.fetcher.fetch(indices)
-            if self.fetcher.iterable:
-                self.stream_states[task_id] = (
-                    self.fetcher.samples_seen,
-                    copy.deepcopy(self.fetcher.state()),
-                    self.fetcher.ended,
-                )
+            self._record_stream(task_id)
             return ("ok", batch)
         except StreamEnd:
             return ("end", None)

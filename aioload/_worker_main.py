@@ -303,14 +303,21 @@ class _Worker:
             elif kind == "stop":
                 return
 
-    def _run_task(self, task_id: int, generation: int, indices: Any) -> None:
-        self.task_started = time.perf_counter()
+    def _answered_without_fetch(self, task_id: int, generation: int) -> bool:
+        """Answer a task that needs no fetch: this worker's setup or this epoch's stream
+        failed ("err"), or its IterableDataset stream has run dry ("end")."""
         error = self.init_error or self.fetch_error
         if error is not None:
             self._send(("err", task_id, generation, error))
-            return
+            return True
         if self.iteration_end:
             self._send(("end", task_id, generation))
+            return True
+        return False
+
+    def _run_task(self, task_id: int, generation: int, indices: Any) -> None:
+        self.task_started = time.perf_counter()
+        if self._answered_without_fetch(task_id, generation):
             return
         fetcher = self.fetcher
         self._produce(task_id, generation, lambda: fetcher.fetch(indices))
@@ -555,12 +562,7 @@ class _Worker:
     async def _run_iterable_task(self, task_id: int, generation: int, indices: Any) -> None:
         # One task at a time here (one stream), so the worker's task_started is this task's.
         self.task_started = time.perf_counter()
-        error = self.init_error or self.fetch_error
-        if error is not None:
-            self._send(("err", task_id, generation, error))
-            return
-        if self.iteration_end:
-            self._send(("end", task_id, generation))
+        if self._answered_without_fetch(task_id, generation):
             return
         fetcher: AsyncFetcher = self.fetcher
         try:
