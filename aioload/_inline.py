@@ -66,9 +66,6 @@ class InlineSource:
     def flush(self) -> None:
         pass
 
-    def check_usable(self) -> None:
-        pass
-
     def check_health(self) -> None:
         pass
 

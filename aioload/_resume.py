@@ -110,10 +110,6 @@ class PassProgress:
         if not self.streams:
             self.streams = [StreamPoint() for _ in range(self.num_streams)]
 
-    @property
-    def batches_yielded(self) -> int:
-        return len(self.yielded)
-
     def as_dict(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch,
@@ -149,11 +145,15 @@ def generator_states(generators: list[torch.Generator]) -> list[torch.Tensor]:
     return [generator.get_state() for generator in generators]
 
 
-def set_generator_states(generators: list[torch.Generator], states: list[Any]) -> None:
+def check_generator_count(states: list[Any], generators: list[torch.Generator]) -> None:
     if len(states) != len(generators):
         raise ValueError(
             f"aioload: the state was saved with {len(states)} random generator(s) in the "
             f"sampler, this loader has {len(generators)}; build it with the same arguments"
         )
+
+
+def set_generator_states(generators: list[torch.Generator], states: list[Any]) -> None:
+    check_generator_count(states, generators)
     for generator, state in zip(generators, states, strict=True):
         generator.set_state(state)

@@ -21,8 +21,15 @@ from ._fetch import PassPlan
 from ._inline import InlineSource
 from ._orchestrator import END, PENDING, Orchestrator
 from ._pinning import Transfer, make_transfer
-from ._resume import FORMAT, PassProgress, StreamPoint, YieldedPositions
-from ._resume import set_generator_states as _set_generator_states
+from ._resume import (
+    FORMAT,
+    PassProgress,
+    StreamPoint,
+    YieldedPositions,
+    check_generator_count,
+    generator_states,
+    set_generator_states,
+)
 from ._workers import WorkerPool, WorkerSpec
 from .stats import LoaderStats, PassStats, empty_stats
 
@@ -172,7 +179,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 stacklevel=2,
             )
             self._pending_resume = None
+        self._number_next_pass(epoch)
+
+    def _number_next_pass(self, epoch: int) -> None:
         self._next_epoch = epoch
+        # A sampler the user passed with set_epoch (a DistributedSampler of their own) is told
+        # too; the shard sampler is set each pass by _engine.
         set_sampler_epoch = getattr(self.sampler, "set_epoch", None)
         if self._shard_sampler is None and callable(set_sampler_epoch):
             set_sampler_epoch(epoch)
@@ -235,13 +247,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 f"aioload: the state was saved with num_workers={state['num_workers']}; an "
                 "IterableDataset's streams are per worker, so resume it with the same number"
             )
-        generators = len(self._generators())
-        if len(progress.rng["generators"]) != generators:
-            raise ValueError(
-                f"aioload: the state was saved with {len(progress.rng['generators'])} random "
-                f"generator(s) in the sampler, this loader has {generators}; build it with the "
-                "same arguments"
-            )
+        # Checked now: a mismatch found when the next pass starts would drop the state.
+        check_generator_count(progress.rng["generators"], self._generators())
         if self._shard_sampler is not None and state.get("shard_seed") is not None:
             self._shard_sampler.seed = int(state["shard_seed"])
         if progress.sample_seed is not None:
@@ -259,10 +266,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 UserWarning,
                 stacklevel=2,
             )
-        self._next_epoch = progress.epoch
-        set_sampler_epoch = getattr(self.sampler, "set_epoch", None)
-        if self._shard_sampler is None and callable(set_sampler_epoch):
-            set_sampler_epoch(progress.epoch)
+        self._number_next_pass(progress.epoch)
         self._pending_resume = progress
         self._pending_in_progress = bool(state["in_progress"])
 
@@ -296,7 +300,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
     def _rng_snapshot(self) -> dict[str, Any]:
         return {
             "torch": torch.get_rng_state(),
-            "generators": [generator.get_state() for generator in self._generators()],
+            "generators": generator_states(self._generators()),
         }
 
     # -- the two doors -----------------------------------------------------------------------
@@ -378,7 +382,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         try:
             if resume is not None:
                 torch.set_rng_state(snapshot["torch"])
-                _set_generator_states(self._generators(), snapshot["generators"])
+                set_generator_states(self._generators(), snapshot["generators"])
             # torch's order of RNG use: iter(sampler), then the base seed, then sampling.
             sampler_iter = iter(self._index_sampler)
             base_seed = self._draw_base_seed() if replay_draw else None
@@ -388,9 +392,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 # pool): draw one without moving the generators the next passes' order comes
                 # from. (A draw from the global RNG is undone with the caller's RNG below.)
                 generators = self._generators()
-                saved = [generator.get_state() for generator in generators]
+                saved = generator_states(generators)
                 base_seed = self._draw_base_seed()
-                _set_generator_states(generators, saved)
+                set_generator_states(generators, saved)
         finally:
             if callers_rng is not None:
                 torch.set_rng_state(callers_rng)
