@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import anyio
 from torch.utils.data import IterableDataset
 
-from ._fetch import PassPlan, RngStates, _has_state_dict, _seed_all, sample_seed
+from ._fetch import BaseFetcher, PassPlan, RngStates, _seed_all
 
 __all__ = [
     "AsyncFetcher",
@@ -163,7 +163,7 @@ class _OwnRng(Awaitable[T]):
 # -- the fetcher -----------------------------------------------------------------------------
 
 
-class AsyncFetcher:
+class AsyncFetcher(BaseFetcher):
     """``Fetcher``'s counterpart for async datasets. At most ``concurrency`` per-index fetches
     of this fetcher are in flight at once, across every batch it is gathering."""
 
@@ -177,19 +177,9 @@ class AsyncFetcher:
         plan: PassPlan,
         concurrency: int = 1,
     ) -> None:
-        self.iterable = dataset_kind == 1
-        self.dataset = dataset
-        self.auto_collation = auto_collation
-        self.collate_fn = collate_fn
-        self.drop_last = drop_last
-        self.plan = plan
+        super().__init__(dataset_kind, dataset, auto_collation, collate_fn, drop_last, plan)
         self.concurrency = concurrency
-        self.seeded = plan.sample_seed is not None
-        self.samples_seen = 0
-        self.ended = plan.ended
-        self.stateful = self.iterable and _has_state_dict(dataset)
         self.batched = None if self.iterable else _batched_hook(dataset)
-        self.stream: Any = None
         self.started = False
         # Made on first use: an anyio semaphore belongs to the loop (and backend) it is used on.
         self._slots: anyio.Semaphore | None = None
@@ -207,10 +197,6 @@ class AsyncFetcher:
             return await self._gather_iterable(indices)
         return await self._gather_map(indices)
 
-    def state(self) -> Any:
-        """The dataset's state now (after the batch just gathered), for a checkpoint."""
-        return self.dataset.state_dict() if self.stateful else None
-
     async def aclose(self) -> None:
         """Close an IterableDataset's async generator on the loop it ran on (its ``finally``
         blocks may await)."""
@@ -222,9 +208,7 @@ class AsyncFetcher:
     def _own_rng(self, awaitable: Awaitable[T], key: Any) -> Awaitable[T]:
         if not self.seeded:
             return awaitable
-        assert self.plan.sample_seed is not None
-        seed = sample_seed(self.plan.sample_seed, self.plan.epoch, key)
-        return _OwnRng(awaitable, _seeded_states(seed))
+        return _OwnRng(awaitable, _seeded_states(self.seed_of(key)))
 
     # -- map-style ---------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Fetcher", "PassPlan", "RngStates", "sample_seed"]
+__all__ = ["BaseFetcher", "Fetcher", "PassPlan", "RngStates", "sample_seed"]
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,43 @@ class RngStates:
         np.random.set_state(self.numpy)
 
 
-class Fetcher:
+class BaseFetcher:
+    """What the sync and the async fetcher share: the dataset and how to batch it, the pass's
+    plan, the seed of a sample, and where an IterableDataset's stream stands."""
+
+    def __init__(
+        self,
+        dataset_kind: int,
+        dataset: Any,
+        auto_collation: bool,
+        collate_fn: Any,
+        drop_last: bool,
+        plan: PassPlan,
+    ) -> None:
+        self.iterable = dataset_kind == 1
+        self.dataset = dataset
+        self.auto_collation = auto_collation
+        self.collate_fn = collate_fn
+        self.drop_last = drop_last
+        self.plan = plan
+        self.seeded = plan.sample_seed is not None
+        self.samples_seen = 0
+        self.ended = plan.ended
+        # Whether the dataset can report its position (only asked of iterable datasets).
+        self.stateful = self.iterable and _has_state_dict(dataset)
+        self.stream: Any = None
+
+    def state(self) -> Any:
+        """The dataset's state now (after the batch just fetched), for a checkpoint."""
+        return self.dataset.state_dict() if self.stateful else None
+
+    def seed_of(self, key: Any) -> int:
+        """seed_per_sample's seed for the sample named ``key`` in this pass."""
+        assert self.plan.sample_seed is not None
+        return sample_seed(self.plan.sample_seed, self.plan.epoch, key)
+
+
+class Fetcher(BaseFetcher):
     """torch's map-style and iterable fetchers in one, with per-sample seeding and
     resumable streams. ``fetch`` raises StopIteration when an iterable stream is done."""
 
@@ -110,19 +146,8 @@ class Fetcher:
         *,
         in_calling_process: bool = False,
     ) -> None:
-        self.iterable = dataset_kind == 1
-        self.dataset = dataset
-        self.auto_collation = auto_collation
-        self.collate_fn = collate_fn
-        self.drop_last = drop_last
-        self.plan = plan
-        self.seeded = plan.sample_seed is not None
+        super().__init__(dataset_kind, dataset, auto_collation, collate_fn, drop_last, plan)
         self.restore_rng = self.seeded and in_calling_process
-        self.samples_seen = 0
-        self.ended = plan.ended
-        # Whether the dataset can report its position (only asked of iterable datasets).
-        self.stateful = self.iterable and _has_state_dict(dataset)
-        self.stream: Any = None
         if self.iterable and not self.ended:
             if plan.has_state:
                 dataset.load_state_dict(plan.dataset_state)
@@ -152,10 +177,6 @@ class Fetcher:
             if saved is not None:
                 saved.install()
 
-    def state(self) -> Any:
-        """The dataset's state now (after the batch just fetched), for a checkpoint."""
-        return self.dataset.state_dict() if self.stateful else None
-
     # -- map-style ---------------------------------------------------------------------------
 
     def _fetch_map(self, indices: Any) -> Any:
@@ -182,8 +203,7 @@ class Fetcher:
         return self.collate_fn(data)
 
     def _seed(self, index: Any) -> None:
-        assert self.plan.sample_seed is not None
-        _seed_all(sample_seed(self.plan.sample_seed, self.plan.epoch, index))
+        _seed_all(self.seed_of(index))
 
     # -- iterable ----------------------------------------------------------------------------
 
