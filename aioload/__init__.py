@@ -4,6 +4,7 @@ from torch.utils.data import default_collate, default_convert
 
 from ._async_fetch import AsyncIterableDataset
 from ._progress import Progress, progress
+from ._ray_workers import RayWorkers
 from ._worker_main import WorkerInfo, get_worker_info
 from .errors import DataLoaderTimeoutError, LoaderError, WorkerDiedError, WorkerError
 from .loader import DataLoader
@@ -16,6 +17,7 @@ __all__ = [
     "LoaderError",
     "LoaderStats",
     "Progress",
+    "RayWorkers",
     "WorkerDiedError",
     "WorkerError",
     "WorkerInfo",
