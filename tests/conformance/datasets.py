@@ -319,3 +319,17 @@ class Tensors(Dataset[torch.Tensor]):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return torch.full((self.size,), float(i))
+
+
+class HoldsEvent(Dataset[bool]):
+    """Holds an Event of the loader's start method, as datasets that coordinate with the main
+    process do; samples report whether it is set."""
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> bool:
+        return bool(self.event.is_set())

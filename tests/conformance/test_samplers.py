@@ -118,7 +118,7 @@ def _epochs(loader_cls: type[Any], kwargs: dict[str, Any], num_workers: int) -> 
 
 @pytest.mark.parametrize("case", list(SAMPLING))
 def test_sampling_single_process(case: str, loader_cls: type[Any], reference: Reference) -> None:
-    got = _epochs(loader_cls, SAMPLING[case](), num_workers=0)
+    got = reference.run(lambda cls: _epochs(cls, SAMPLING[case](), num_workers=0))
     expected = reference(lambda cls: _epochs(cls, SAMPLING[case](), num_workers=0))
     assert got == expected
     # What users rely on: len(loader) is the number of batches a pass yields.
@@ -132,7 +132,7 @@ def test_sampling_single_process(case: str, loader_cls: type[Any], reference: Re
 def test_sampling_with_workers(
     case: str, loader_cls: type[Any], reference: Reference, no_leaks: None
 ) -> None:
-    got = _epochs(loader_cls, SAMPLING[case](), num_workers=2)
+    got = reference.run(lambda cls: _epochs(cls, SAMPLING[case](), num_workers=2))
     expected = reference(lambda cls: _epochs(cls, SAMPLING[case](), num_workers=2))
     assert got == expected
     # Workers do not change the batches: the single-process run gives the same.
@@ -149,7 +149,7 @@ def test_global_seed_drives_default_shuffle(loader_cls: type[Any], reference: Re
         first = batches(loader)
         return first, batches(loader), torch.rand(3).tolist()
 
-    got = scenario(loader_cls)
+    got = reference.run(scenario)
     expected = reference(scenario)
     assert got == expected
     assert got[0] != got[1]  # a new order each epoch
@@ -178,7 +178,7 @@ def test_sampler_is_iterated_in_the_calling_process(
         sampler.start = 10
         return first, batches(loader)
 
-    got = scenario(loader_cls)
+    got = reference.run(scenario)
     assert got == reference(scenario)
     assert got[0] != got[1]
 
@@ -187,7 +187,7 @@ def test_getitems_is_used_for_batches(loader_cls: type[Any], reference: Referenc
     def scenario(cls: type[Any]) -> Any:
         return [plain(batch) for batch in cls(Batched(), batch_size=4)]
 
-    got = scenario(loader_cls)
+    got = reference.run(scenario)
     assert got == reference(scenario)
     # Each sample says how many indices its __getitems__ call had: the whole batch at once.
     sizes = [batch[1].tolist() for batch in loader_cls(Batched(), batch_size=4)]
@@ -204,6 +204,6 @@ def test_growing_dataset_len(loader_cls: type[Any], reference: Reference) -> Non
         data.extend([4, 5, 6])
         return before, len(loader), batches(loader)
 
-    got = scenario(loader_cls)
+    got = reference.run(scenario)
     assert got == reference(scenario)
     assert got[0] != got[1]
