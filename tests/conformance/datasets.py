@@ -333,3 +333,16 @@ class HoldsEvent(Dataset[bool]):
 
     def __getitem__(self, i: int) -> bool:
         return bool(self.event.is_set())
+
+
+class Versioned(Dataset[int]):
+    """Samples are ``version``: shows which copy of the dataset a worker fetches from."""
+
+    def __init__(self) -> None:
+        self.version = 0
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        return self.version

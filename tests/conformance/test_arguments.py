@@ -84,6 +84,8 @@ def test_timeout_without_workers_is_refused_when_iterating(
     assert iterated.raised.message == expected_iterated.raised.message
 
 
+# torch's iterator fails in __init__ and then again in __del__ (no _shutdown attribute yet).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_prefetch_factor_zero_with_workers(
     loader_cls: type[Any], is_aioload: bool, reference: Reference
 ) -> None:

@@ -54,12 +54,12 @@ def low_fd_limit() -> Iterator[int]:
 def test_break_in_many_loaders_in_a_row(
     loader_cls: type[Any], reference: Reference, no_leaks: None
 ) -> None:
-    """A break ends the pass: its workers go, and eight loaders in a row leave no more
+    """A break ends the pass: its workers go, and five loaders in a row leave no more
     processes or descriptors than two."""
 
     def scenario(cls: type[Any]) -> dict[str, Any]:
         firsts, fds = [], []
-        for n in range(8):
+        for n in range(5):
             loader = cls(Indices(40), batch_size=4, num_workers=2)
             for batch in loader:
                 firsts.append(batch.tolist())
@@ -168,13 +168,13 @@ def test_kept_batches_under_a_low_descriptor_limit(
 def test_many_epochs_under_a_low_descriptor_limit(
     loader_cls: type[Any], reference: Reference, low_fd_limit: int, no_leaks: None
 ) -> None:
-    """Twenty short passes, each with its own workers, fit under a limit of 64 spare
+    """Twelve short passes, each with its own workers, fit under a limit of 64 spare
     descriptors: nothing accumulates from pass to pass."""
 
     def scenario(cls: type[Any]) -> list[int]:
         loader = cls(Tensors(8), batch_size=4, num_workers=1)
-        return [len(list(loader)) for _ in range(20)]
+        return [len(list(loader)) for _ in range(12)]
 
     got = reference.run(scenario)
     assert got == reference(scenario)
-    assert got == [2] * 20
+    assert got == [2] * 12

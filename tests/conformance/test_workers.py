@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from .conftest import Reference, outcome, xfail_aioload
-from .datasets import HoldsEvent, WorkerReport, mark_worker
+from .datasets import HoldsEvent, Versioned, WorkerReport, mark_worker
 
 # What a sample reports that must match torch's exactly (pids differ from run to run).
 COMPARABLE = (
@@ -219,3 +219,23 @@ def test_dataset_holding_a_multiprocessing_event_under_spawn(
     assert expected.raised is None and expected.value == [True, True]
     assert got.raised is None, got.raised
     assert got.value == expected.value
+
+
+@pytest.mark.parametrize("persistent_workers", [False, True])
+def test_changes_to_the_dataset_between_epochs(
+    persistent_workers: bool, loader_cls: type[Any], reference: Reference, no_leaks: None
+) -> None:
+    """Workers fetch from the copy they were started with: a change the main process makes
+    between epochs reaches new workers, and not persistent ones (torch's rule)."""
+
+    def scenario(cls: type[Any]) -> list[list[int]]:
+        dataset = Versioned()
+        loader = cls(dataset, batch_size=2, num_workers=1, persistent_workers=persistent_workers)
+        first = [b.tolist() for b in loader]
+        dataset.version = 1
+        return [first, [b.tolist() for b in loader]]
+
+    got = reference.run(scenario)
+    assert got == reference(scenario)
+    assert got[0] == [[0, 0], [0, 0]]
+    assert got[1] == ([[0, 0], [0, 0]] if persistent_workers else [[1, 1], [1, 1]])
