@@ -172,6 +172,8 @@ def test_same_batches_as_local_workers(ray_workers: aioload.RayWorkers) -> None:
     stats = ours.stats()
     assert [w.tasks for w in stats.workers] == [5, 5]
     assert all(w.fetch_p50_s is not None for w in stats.workers)
+    assert all(0 < w.busy_fraction <= 1 for w in stats.workers)
+    assert all("Ray actor" in (w.where or "") and "node" in (w.where or "") for w in stats.workers)
 
 
 @inner
