@@ -81,9 +81,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
     ) -> None:
         if shard not in ("auto", "none"):
             raise ValueError(f"shard option should be 'auto' or 'none', but got shard={shard!r}")
-        # Under torch.distributed, the default sampler becomes this rank's shard. It has to be
-        # decided before torch's __init__, which builds the sampler and then forbids changing
-        # it. A sampler the user passes is theirs, and left alone.
+        # Under torch.distributed, each rank iterates its own shard of the default sampler. The
+        # shard is private and applies at iteration time only: the public ``sampler`` and
+        # ``batch_sampler`` describe the whole dataset, as torch's do, because frameworks read
+        # them to shard the data themselves (accelerate's prepare() wraps ``batch_sampler``;
+        # Lightning builds a DistributedSampler of ``dataset``). A sampler the user passes (such
+        # as a framework's DistributedSampler) is theirs, and left alone: no second shard.
+        # The rank is read here, where the shuffle seed is agreed (a collective).
         self._rank, self._world_size = _distributed_rank()
         shard_sampler: DistributedSampler[Any] | None = None
         if (
@@ -101,7 +105,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 seed=_shared_shuffle_seed(generator) if shuffle else 0,
                 drop_last=drop_last,
             )
-            sampler, shuffle = shard_sampler, None
         # torch validates every argument, with its own messages, and builds the samplers.
         super().__init__(
             dataset,
@@ -140,8 +143,20 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             worker_concurrency, self.dataset, self._dataset_kind, worker_init_fn
         )
         self.seed_per_sample = bool(seed_per_sample)
+        # Every argument reads back under its own name (Lightning rebuilds a DataLoader subclass
+        # from its __init__ signature and these attributes); torch keeps all but these.
+        self.shuffle = shuffle
         self.shard = shard
         self._shard_sampler = shard_sampler
+        # This rank's batches (or indices, without automatic batching), in the shape torch's
+        # _index_sampler has.
+        self._shard_index_sampler: Iterable[Any] | None = None
+        if shard_sampler is not None:
+            self._shard_index_sampler = (
+                shard_sampler
+                if self.batch_size is None
+                else torch.utils.data.BatchSampler(shard_sampler, self.batch_size, self.drop_last)
+            )
         # Every pass draws a tqdm bar (batches/s, live data-bound %); see aioload.progress.
         self.progress = progress
         self._persistent_pool: WorkerPool | None = None
@@ -302,6 +317,18 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             "torch": torch.get_rng_state(),
             "generators": generator_states(self._generators()),
         }
+
+    @property
+    def _index_sampler(self) -> Any:
+        """What a pass draws its indices from: this rank's shard under ``shard="auto"``, else
+        torch's choice (``batch_sampler``, or ``sampler`` without automatic batching). So
+        ``len(loader)`` counts the batches this rank yields, as with torch's DataLoader over
+        a DistributedSampler, while ``len(loader.batch_sampler)`` counts the whole dataset's."""
+        # (Read with a default: torch's __init__ runs before this loader's own attributes exist.)
+        shard_index_sampler = getattr(self, "_shard_index_sampler", None)
+        if shard_index_sampler is not None:
+            return shard_index_sampler
+        return super()._index_sampler
 
     # -- the two doors -----------------------------------------------------------------------
 
