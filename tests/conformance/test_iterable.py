@@ -80,13 +80,6 @@ def test_len_and_the_wrong_length_warning(
     warning (worded for multiprocessing when there are workers)."""
     if num_workers:  # leak checks cost ~0.5 s; only workers can leak
         request.getfixturevalue("no_leaks")
-    if num_workers:
-        xfail_aioload(
-            request,
-            "accidental: the multiprocessing form of the 'Length of IterableDataset' warning "
-            "lacks torch's last sentence ('Please see https://pytorch.org/docs/stable/data.html"
-            "#torch.utils.data.IterableDataset for examples.'); _orchestrator.py (seam's area)",
-        )
 
     def scenario(cls: type[Any]) -> dict[str, Any]:
         dataset = LyingLength(6, reported=2)
