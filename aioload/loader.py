@@ -666,19 +666,35 @@ class _AsyncIterator:
         return self
 
     async def __anext__(self) -> Any:
-        stats = self._engine.stats
+        engine = self._engine
+        stats = engine.stats
         entered = stats.enter()
         try:
-            batch = await self._engine.next()
+            # A checkpoint every time (see Orchestrator.next): other tasks run, and a
+            # cancellation is honoured, even when the batch is already here.
+            batch = await engine.next()
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                # A cancellation (or KeyboardInterrupt, SystemExit) ends the pass wherever it
+                # lands: at the checkpoint, while waiting for workers, or in the loop body,
+                # from which it reaches us at the next __anext__. ``async for`` does not call
+                # aclose() when it is left by an exception, and the iterator may outlive the
+                # loop (in a traceback, or a name); so its workers are stopped here, off the
+                # loop and shielded. A plain dataset error is not this: the pass goes on, as
+                # in torch.
+                if not engine.closed:
+                    await engine.aclose()
+            raise
         finally:
             stats.leave(entered)
         if batch is END:
-            await self._engine.aclose()
+            await engine.aclose()
             raise StopAsyncIteration
         return batch
 
     async def aclose(self) -> None:
-        """Stop this pass's workers without blocking the loop."""
+        """Stop this pass's workers without blocking the loop. A checkpoint, like every
+        ``aclose``: it yields to the loop even when there is nothing left to stop."""
         await self._engine.aclose()
 
     async def __aenter__(self) -> _AsyncIterator:
