@@ -674,7 +674,7 @@ class _AsyncIterator:
             # cancellation is honoured, even when the batch is already here.
             batch = await engine.next()
         except BaseException as exc:
-            if not isinstance(exc, Exception):
+            if not isinstance(exc, Exception) and not engine.closed:
                 # A cancellation (or KeyboardInterrupt, SystemExit) ends the pass wherever it
                 # lands: at the checkpoint, while waiting for workers, or in the loop body,
                 # from which it reaches us at the next __anext__. ``async for`` does not call
@@ -682,8 +682,7 @@ class _AsyncIterator:
                 # loop (in a traceback, or a name); so its workers are stopped here, off the
                 # loop and shielded. A plain dataset error is not this: the pass goes on, as
                 # in torch.
-                if not engine.closed:
-                    await engine.aclose()
+                await engine.aclose()
             raise
         finally:
             stats.leave(entered)
