@@ -17,6 +17,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from . import _progress, _sync
 from ._async_fetch import is_async_dataset
+from ._datapipes import SharedSeeds, is_datapipe, is_iter_datapipe, reseed, shard_in_process
 from ._fetch import PassPlan
 from ._inline import InlineSource
 from ._orchestrator import END, PENDING, Orchestrator
@@ -158,6 +159,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         self._latest_pass: PassProgress | None = None
         self._pending_resume: PassProgress | None = None
         self._pending_in_progress = False
+        # An IterDataPipe's per-pass shuffle seed, shared by the workers (and the ranks).
+        self._shared_seeds = SharedSeeds()
 
     # -- epochs and checkpoints ---------------------------------------------------------------
 
@@ -383,9 +386,18 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             if resume is not None:
                 torch.set_rng_state(snapshot["torch"])
                 set_generator_states(self._generators(), snapshot["generators"])
-            # torch's order of RNG use: iter(sampler), then the base seed, then sampling.
+            # torch's order of RNG use: iter(sampler), then the base seed, then sampling; an
+            # IterDataPipe's shared seeds around them as torch draws them (see _datapipes).
+            datapipe = is_iter_datapipe(self.dataset)
+            shared_seed: int | None = None
+            if datapipe and replay_draw:
+                shared_seed = self._shared_seeds.draw(self.generator)
             sampler_iter = iter(self._index_sampler)
+            if datapipe and not replay_draw:
+                shared_seed = self._shared_seeds.draw(self.generator)
             base_seed = self._draw_base_seed() if replay_draw else None
+            if datapipe and replay_draw and self.num_workers > 0:
+                self._shared_seeds.draw(self.generator)
             sampler_iter = _primed(sampler_iter)
             if base_seed is None and not reuse_pool:
                 # A pool must start, but the replayed pass drew no seed (it had reused its
@@ -424,6 +436,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 progress.yielded = resume.yielded.copy()
                 skip = resume.yielded
         self._latest_pass = progress
+        if shared_seed is not None:
+            reseed(self.dataset, shared_seed)
+        if self.num_workers == 0 and is_datapipe(self.dataset):
+            shard_in_process(self.dataset, self._world_size, self._rank)
         plans = [
             PassPlan(
                 epoch=epoch,
@@ -433,6 +449,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 dataset_state=point.state,
                 ended=point.ended,
                 stream_id=self._rank * streams + worker_id,
+                shared_seed=shared_seed,
             )
             for worker_id, point in enumerate(progress.streams)
         ]
