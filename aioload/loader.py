@@ -691,14 +691,15 @@ class _AsyncIterator:
             # cancellation is honoured, even when the batch is already here.
             batch = await engine.next()
         except BaseException as exc:
-            if not isinstance(exc, Exception) and not engine.closed:
+            if not isinstance(exc, Exception | GeneratorExit) and not engine.closed:
                 # A cancellation (or KeyboardInterrupt, SystemExit) ends the pass wherever it
                 # lands: at the checkpoint, while waiting for workers, or in the loop body,
                 # from which it reaches us at the next __anext__. ``async for`` does not call
                 # aclose() when it is left by an exception, and the iterator may outlive the
                 # loop (in a traceback, or a name); so its workers are stopped here, off the
                 # loop and shielded. A plain dataset error is not this: the pass goes on, as
-                # in torch.
+                # in torch. (GeneratorExit means this coroutine is being closed, and it may not
+                # await; the iterator's __del__ stops the pass then.)
                 await engine.aclose()
             raise
         finally:
