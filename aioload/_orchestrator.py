@@ -451,6 +451,14 @@ class Orchestrator:
         assert isinstance(outcome, Batch)
         value = outcome.value
         self._num_yielded += 1
+        # torch refills the prefetch window as it hands a batch over (``_process_data`` calls
+        # ``_try_put_index``), not at the next request. Doing the same keeps the number of
+        # tasks sent after k batches at prefetch + k, and with it which sampler draws happen
+        # before a ``break``: a later shuffled epoch then matches torch's order. (In the calling
+        # process torch draws a batch's indices only when it is asked for, so nothing is sent
+        # ahead there.)
+        if self._setup.multiprocess:
+            self._dispatch()
         self.stats.yielded(
             value,
             samples,
@@ -467,7 +475,9 @@ class Orchestrator:
             if self._setup.multiprocess:
                 warn_msg += (
                     "For multiprocessing data-loading, this could be caused by not properly "
-                    "configuring the IterableDataset replica at each worker."
+                    "configuring the IterableDataset replica at each worker. Please see "
+                    "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
+                    "for examples."
                 )
             warnings.warn(warn_msg, stacklevel=4)
         return value

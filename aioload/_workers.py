@@ -282,8 +282,13 @@ class WorkerPool:
         self._flush()
 
     def submit(self, worker_id: int, task_id: int, indices: Any) -> None:
-        # Queued; written by the next poll() or wait(), so a burst of tasks is one write.
-        self.workers[worker_id].channel.queue(Task(task_id, self.generation, indices))
+        # Written at once (what does not fit waits for writability): the orchestrator refills
+        # the prefetch window as it hands a batch over, and the task must reach its worker
+        # while the consumer works on that batch, not at the consumer's next request.
+        worker = self.workers[worker_id]
+        worker.channel.queue(Task(task_id, self.generation, indices))
+        if not worker.channel.closed:
+            self._pump_out(worker)
 
     def _flush(self) -> None:
         """Return freed slabs to their workers and write what fits of every outbox."""

@@ -323,7 +323,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             drop_last=self.drop_last,
             worker_init_fn=self.worker_init_fn,
             num_workers=self.num_workers,
-            prefetch_factor=self.prefetch_factor or 1,
+            prefetch_factor=self._prefetch_depth(),
             multiprocessing_context=self.multiprocessing_context,
             # Stack straight into the shared-memory slab when the collate is torch's default.
             slab_collate=self.collate_fn is default_collate,
@@ -334,6 +334,17 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
 
     def _draw_shared_seed(self) -> int:
         return self._shared_seeds.draw(self.generator)
+
+    def _prefetch_depth(self) -> int:
+        """Batches in flight per worker for the next pass. Read at each pass, as torch does:
+        ``num_workers`` may be changed after construction (it is not a locked attribute), and
+        then ``prefetch_factor`` is stale. Torch ignores it without workers (one batch at a
+        time in the calling process) and uses it as is with them; ``None`` there (a loader
+        built with ``num_workers=0``) makes torch's iterator fail with a TypeError, where we
+        take 1 rather than fail."""
+        if self.num_workers == 0:
+            return 1
+        return self.prefetch_factor or 1
 
     def _draw_base_seed(self) -> int:
         # Exactly torch's draw, at the same point (after iter(sampler), before any sampling),
@@ -428,7 +439,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         setup = PassSetup(
             batches=start.batches,
             num_workers=max(1, self.num_workers),
-            prefetch=self.prefetch_factor or 1,
+            prefetch=self._prefetch_depth(),
             in_order=self.in_order,
             timeout=self.timeout,
             max_worker_restarts=self.max_worker_restarts,
