@@ -17,6 +17,7 @@ from torch.utils.data._utils.collate import default_collate
 from . import _progress, _sync
 from ._async_fetch import is_async_dataset
 from ._backend import BackendKeeper, WorkerBackend
+from ._datapipes import SharedSeeds, is_datapipe, is_iter_datapipe, reseed, shard_in_process
 from ._inline import InlineBackend
 from ._orchestrator import END, PENDING, Orchestrator, PassSetup
 from ._pinning import Transfer, make_transfer
@@ -172,6 +173,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         self._latest_pass: PassProgress | None = None
         self._pending_resume: PassProgress | None = None
         self._pending_in_progress = False
+        # An IterDataPipe's per-pass shuffle seed, shared by the workers (and the ranks).
+        self._shared_seeds = SharedSeeds()
 
     # -- epochs and checkpoints ---------------------------------------------------------------
 
@@ -356,6 +359,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             worker_concurrency=self.worker_concurrency,
         )
 
+    def _draw_shared_seed(self) -> int:
+        return self._shared_seeds.draw(self.generator)
+
     def _prefetch_depth(self) -> int:
         """Batches in flight per worker for the next pass. Read at each pass, as torch does:
         ``num_workers`` may be changed after construction (it is not a locked attribute), and
@@ -429,9 +435,16 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             iterable=self._dataset_kind == 1,
             num_streams=max(1, self.num_workers),
             rank=self._rank,
+            draw_shared_seed=(self._draw_shared_seed if is_iter_datapipe(self.dataset) else None),
+            starts_workers=self.num_workers > 0,
         )
         self._sample_seed = start.sample_seed
         self._latest_pass = start.progress
+        if start.shared_seed is not None:
+            # The calling process's copy too, as torch seeds it (what num_workers=0 reads).
+            reseed(self.dataset, start.shared_seed)
+        if self.num_workers == 0 and is_datapipe(self.dataset):
+            shard_in_process(self.dataset, self._world_size, self._rank)
 
         spec = self._spec()
         make_backend: Callable[[], WorkerBackend]
@@ -609,19 +622,35 @@ class _AsyncIterator:
         return self
 
     async def __anext__(self) -> Any:
-        stats = self._engine.stats
+        engine = self._engine
+        stats = engine.stats
         entered = stats.enter()
         try:
-            batch = await self._engine.next()
+            # A checkpoint every time (see Orchestrator.next): other tasks run, and a
+            # cancellation is honoured, even when the batch is already here.
+            batch = await engine.next()
+        except BaseException as exc:
+            if not isinstance(exc, Exception | GeneratorExit) and not engine.closed:
+                # A cancellation (or KeyboardInterrupt, SystemExit) ends the pass wherever it
+                # lands: at the checkpoint, while waiting for workers, or in the loop body,
+                # from which it reaches us at the next __anext__. ``async for`` does not call
+                # aclose() when it is left by an exception, and the iterator may outlive the
+                # loop (in a traceback, or a name); so its workers are stopped here, off the
+                # loop and shielded. A plain dataset error is not this: the pass goes on, as
+                # in torch. (GeneratorExit means this coroutine is being closed, and it may not
+                # await; the iterator's __del__ stops the pass then.)
+                await engine.aclose()
+            raise
         finally:
             stats.leave(entered)
         if batch is END:
-            await self._engine.aclose()
+            await engine.aclose()
             raise StopAsyncIteration
         return batch
 
     async def aclose(self) -> None:
-        """Stop this pass's workers without blocking the loop."""
+        """Stop this pass's workers without blocking the loop. A checkpoint, like every
+        ``aclose``: it yields to the loop even when there is nothing left to stop."""
         await self._engine.aclose()
 
     async def __aenter__(self) -> _AsyncIterator:
