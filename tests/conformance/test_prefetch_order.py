@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from .conftest import Reference, TorchDataLoader, xfail_aioload
+from .conftest import Reference, TorchDataLoader
 from .datasets import FetchLog, Gated, Indices, Sleepy, fetched
 
 RUNS = itertools.count()  # unique file names: a scenario may run more than once per test
@@ -85,7 +85,6 @@ def test_tasks_sent_ahead(
     prefetch_factor*num_workers tasks in iter(); aioload starts them at the first next() (or
     __anext__, where the start runs in a thread so that the loop stays free). Nothing is
     fetched between iter() and the first next()."""
-    xfail_aioload(request, LAZY_REFILL)
     workers = 2
 
     def scenario(cls: type[Any], expected: list[int] | None = None) -> list[int]:
@@ -105,7 +104,6 @@ def test_break_keeps_later_epochs_in_torchs_order(
 ) -> None:
     """A ``break`` mid-epoch leaves the shuffle of later epochs as torch's: how far the
     sampler had been drawn when the pass ended decides the generator's state."""
-    xfail_aioload(request, LAZY_REFILL)
 
     def scenario(cls: type[Any]) -> list[Any]:
         loader = cls(
