@@ -199,6 +199,7 @@ def test_dataset_holding_a_multiprocessing_event_under_spawn(
 ) -> None:
     """A dataset may hold objects of the loader's multiprocessing context (an Event here):
     torch hands the dataset to Process(args=...), where inheritance is allowed."""
+
     def scenario(cls: type[Any]) -> Any:
         context = multiprocessing.get_context("spawn")
         event = context.Event()
