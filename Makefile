@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint docs bench bench-gpu test-gpu soak unit clean
+.PHONY: install run test lint docs bench bench-ray bench-gpu test-gpu soak unit clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ test: lint docs unit
 bench: install
 	$(PY) -m aioload.bench
 	$(PY) -m aioload.bench.seeding --json docs/seeding.json
+
+# 2 Ray actors vs 2 local workers vs torch's DataLoader (cpu and image), inside a loopback-only
+# network namespace (it re-runs itself under `unshare -n`); rows into docs/benchmarks.md.
+bench-ray: install
+	$(PY) -m aioload.bench.ray --json docs/benchmarks_ray.json --docs
 
 # Not part of `make test`: 1,000 loaders with random breaks and worker kills; counts must be flat.
 soak: install
