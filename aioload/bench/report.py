@@ -449,5 +449,9 @@ def write_all(
     meta, rows, runs = merge_previous(js, meta, rows, runs)
     write_json(js, meta, rows, runs)
     write_png(png, rows, bool(meta["fake"]))
-    md.write_text(render_markdown(meta, rows, png.name))
+    # Keep the "Ray workers" section, which `make bench-ray` writes (aioload/bench/ray.py).
+    ray_section = ""
+    if md.exists() and "<!-- ray-bench:start -->" in (text := md.read_text()):
+        ray_section = "\n<!-- ray-bench:start -->" + text.split("<!-- ray-bench:start -->", 1)[1]
+    md.write_text(render_markdown(meta, rows, png.name) + ray_section)
     return [md, js, png]
