@@ -5,9 +5,15 @@ from torch.utils.data import default_collate, default_convert
 from ._async_fetch import AsyncIterableDataset
 from ._progress import Progress, progress
 from ._worker_main import WorkerInfo, get_worker_info
-from .errors import DataLoaderTimeoutError, LoaderError, WorkerDiedError, WorkerError
+from .errors import (
+    DataLoaderTimeoutError,
+    LoaderError,
+    TooManySampleErrors,
+    WorkerDiedError,
+    WorkerError,
+)
 from .loader import DataLoader
-from .stats import LoaderStats, WorkerStats
+from .stats import LoaderStats, SkippedSample, WorkerStats
 
 __all__ = [
     "AsyncIterableDataset",
@@ -16,6 +22,8 @@ __all__ = [
     "LoaderError",
     "LoaderStats",
     "Progress",
+    "SkippedSample",
+    "TooManySampleErrors",
     "WorkerDiedError",
     "WorkerError",
     "WorkerInfo",

@@ -126,6 +126,7 @@ class InlineSource:
                     spec.drop_last,
                     self.plan,
                     in_calling_process=True,
+                    policy=spec.sample_policy,
                 )
             batch = self.fetcher.fetch(indices)
             self._record_stream(task_id)
@@ -163,6 +164,7 @@ class InlineSource:
                     spec.drop_last,
                     self.plan,
                     spec.worker_concurrency,
+                    policy=spec.sample_policy,
                 )
             batch = await self.fetcher.fetch(indices)
             self._record_stream(task_id)

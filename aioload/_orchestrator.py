@@ -24,12 +24,12 @@ from typing import Any, Protocol
 import anyio
 import anyio._backends._asyncio
 
-from ._fetch import PassPlan
+from ._fetch import PassPlan, take_skips
 from ._pinning import PinStage, Transfer
 from ._resume import PassProgress, StreamPoint, YieldedPositions
 from ._workers import Outcome
 from .errors import DataLoaderTimeoutError
-from .stats import PassStats
+from .stats import PassStats, SkipCap, SkippedSample
 
 __all__ = ["END", "PENDING", "Orchestrator"]
 
@@ -113,6 +113,7 @@ class Orchestrator:
         start: int = 0,
         transfer: Transfer | None = None,
         stats: PassStats | None = None,
+        skip_cap: SkipCap | None = None,
     ) -> None:
         # The source (worker pool) is built on the first next(): under ``async for`` that runs
         # in a thread, because forking workers takes milliseconds each and must not hold the
@@ -163,6 +164,9 @@ class Orchestrator:
         self._next_worker = progress.next_worker % self._num_workers
         self._sampler_done = False
         self._num_yielded = len(progress.yielded)
+        # Skipped samples of answered tasks, recorded when the task's batch is delivered.
+        self._skips: dict[int, list[SkippedSample]] = {}
+        self._skip_cap = skip_cap
         self._fatal: BaseException | None = None
         self._finished = False
         self._closed = False
@@ -220,12 +224,17 @@ class Orchestrator:
                     self._end_reached(self._staged.popleft())
                     self.stats.dropped(staged)
                     continue
+                if staged is not None and staged[0] == "skipped":
+                    self._record_yield(self._staged.popleft())
+                    self.stats.dropped(staged)
+                    continue
                 break
             if staged is not None:
                 return self._deliver(self._staged.popleft(), staged)
             if stage.pending:
                 return PENDING
         if not self._inflight and (self._sampler_done or not any(self._active)):
+            self._check_skip_cap(final=True)
             self._finished = True
             self.progress.finished = True
             return END
@@ -342,6 +351,12 @@ class Orchestrator:
         if sent is None:
             return
         samples = self.stats.count(sent[1])
+        skipped, outcome = take_skips(outcome)
+        if skipped:
+            # The skip records travel inside the batch's answer; they count when it is
+            # delivered (a batch with nothing left is delivered as "skipped": not yielded).
+            self._skips[task_id] = skipped
+            samples -= len(skipped)
         if outcome[0] == "end":
             # This worker's IterableDataset copy has run dry for this epoch.
             self._active[worker_id] = False
@@ -350,7 +365,7 @@ class Orchestrator:
             if stream is not None:
                 # The stream's own count says what the batch holds (a short last batch, or a
                 # collate whose result has no batch dimension).
-                samples = stream[0] - self._samples_seen[worker_id]
+                samples = stream[0] - self._samples_seen[worker_id] - len(skipped)
                 self._samples_seen[worker_id] = stream[0]
                 _, position, _ = self._assigned[task_id]
                 point = StreamPoint(stream[0], stream[1] is not None, stream[1], stream[2])
@@ -382,6 +397,14 @@ class Orchestrator:
                 self.stats.dropped(outcome)
                 continue
             self._per_worker[worker_id] -= 1
+            if outcome[0] == "skipped":
+                # Every sample of the task was skipped: nothing to yield, but the task counts
+                # as delivered here, in order (through the stage, which keeps the order).
+                if through_stage:
+                    return task_id, outcome
+                self._record_yield(task_id)
+                self.stats.dropped(outcome)
+                continue
             self.stats.handed(outcome)
             return task_id, outcome
 
@@ -408,6 +431,27 @@ class Orchestrator:
             if point is not None:
                 progress.streams[worker_id] = point
             self._note_next_worker(task_id)
+        skipped = self._skips.pop(task_id, None)
+        if skipped:
+            # Recorded with the batch's position, so a checkpoint has both or neither.
+            progress.skipped.extend(skipped)
+            self._check_skip_cap(final=False)
+
+    def _check_skip_cap(self, final: bool) -> None:
+        """Past max_skipped, the pass ends with TooManySampleErrors (a persistent pool is
+        kept: nothing is wrong with it)."""
+        if self._skip_cap is None:
+            return
+        progress = self.progress
+        if progress.iterable:
+            drawn = sum(point.samples_seen for point in progress.streams)
+        else:
+            drawn = self.stats.samples + len(progress.skipped)
+        error = self._skip_cap.error(progress.skipped, drawn, final)
+        if error is not None:
+            self._fatal = error
+            self.close()
+            raise error
 
     def _deliver(self, task_id: int, outcome: Outcome) -> Any:
         # Recorded before an error is raised too: a batch whose error reached the consumer

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from .stats import SkippedSample
+
 __all__ = ["FORMAT", "PassProgress", "StreamPoint", "YieldedPositions"]
 
 FORMAT = "aioload.DataLoader/1"
@@ -105,6 +107,9 @@ class PassProgress:
     # IterableDataset, in order: the worker the next batch was (or will be) asked of.
     next_worker: int = 0
     finished: bool = False
+    # Samples skipped (on_sample_error) in delivered batches: a resumed pass carries them on,
+    # and its count and its max_skipped cap continue from them.
+    skipped: list[SkippedSample] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.streams:
@@ -121,6 +126,7 @@ class PassProgress:
             "yielded_extra": sorted(self.yielded.extra),
             "streams": [point.as_dict() for point in self.streams],
             "next_worker": self.next_worker,
+            "skipped": [record.as_dict() for record in self.skipped],
         }
 
     @classmethod
@@ -138,6 +144,8 @@ class PassProgress:
             ),
             streams=streams,
             next_worker=int(data["next_worker"]),
+            # (Absent from states saved before skipping existed.)
+            skipped=[SkippedSample.from_dict(record) for record in data.get("skipped", ())],
         )
 
 

@@ -38,7 +38,7 @@ from torch.utils.data._utils.worker import _generate_state
 from . import _transport
 from ._async_fetch import AsyncFetcher, StreamEnd, has_async_context, is_async_dataset
 from ._channel import ChannelClosed, WorkerChannel
-from ._fetch import Fetcher, PassPlan
+from ._fetch import Fetcher, PassPlan, SamplePolicy
 from .errors import WorkerError
 
 __all__ = ["RemoteError", "WorkerConfig", "WorkerInfo", "get_worker_info", "worker_main"]
@@ -132,6 +132,8 @@ class WorkerConfig:
     world_size: int = 1
     # Samples an async dataset's worker fetches at once (DataLoader's worker_concurrency).
     worker_concurrency: int = 1
+    # on_sample_error and sample_retries (a callable policy runs in this worker).
+    sample_policy: SamplePolicy | None = None
 
 
 def _set_worker_info(info: WorkerInfo) -> None:
@@ -246,6 +248,7 @@ class _Worker:
                 self.collate_fn,
                 self.config.drop_last,
                 plan,
+                policy=self.config.sample_policy,
             )
         except Exception:
             self.fetch_error = RemoteError(self.config.worker_id)
@@ -505,6 +508,7 @@ class _Worker:
             self.config.drop_last,
             plan,
             self.config.worker_concurrency,
+            policy=self.config.sample_policy,
         )
         self.fetcher = fetcher
         return fetcher
@@ -592,12 +596,22 @@ class _Worker:
                 return
             self._send(("pickled", task_id, generation, payload))
             return
-        except Exception:
-            # Typically an unpicklable sample.
+        except Exception as error:
+            # Typically an unpicklable sample. The fetcher blames the samples that cannot be
+            # sent: it raises an error naming them, or (skip) gives the batch without them.
             if arena is not None:
                 self.pool.release(arena.slab.id)
-            self._send(("err", task_id, generation, RemoteError(self.config.worker_id)))
+            try:
+                data = self.fetcher.drop_unsendable(error)
+            except Exception:
+                self._send(("err", task_id, generation, RemoteError(self.config.worker_id)))
+                return
+            # Each round drops at least one sample, so this ends.
+            self._send_batch(task_id, generation, data, None)
             return
+        finally:
+            # The fetcher kept the batch's samples for the blame above: let them go.
+            self.fetcher.forget()
         slab = encoded.slab
         fds: list[int] = []
         capacity = 0

@@ -28,7 +28,7 @@ from typing import Any
 import anyio
 
 from ._channel import ChannelClosed, ParentChannel
-from ._fetch import PassPlan
+from ._fetch import PassPlan, SamplePolicy
 from ._transport import SlabMappings
 from ._worker_main import WorkerConfig, worker_main
 from .errors import WorkerDiedError
@@ -92,6 +92,7 @@ class WorkerSpec:
     rank: int = 0
     world_size: int = 1
     worker_concurrency: int = 1
+    sample_policy: SamplePolicy | None = None
 
 
 class _Worker:
@@ -203,6 +204,7 @@ class WorkerPool:
             rank=spec.rank,
             world_size=spec.world_size,
             worker_concurrency=spec.worker_concurrency,
+            sample_policy=spec.sample_policy,
         )
         process = self._ctx.Process(
             target=worker_main,
