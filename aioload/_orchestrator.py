@@ -435,6 +435,9 @@ class Orchestrator:
         if skipped:
             # Recorded with the batch's position, so a checkpoint has both or neither.
             progress.skipped.extend(skipped)
+        cap = self._skip_cap
+        if cap is not None and (skipped or cap.limit is None):
+            # (A fraction of an unknown total moves with every batch.)
             self._check_skip_cap(final=False)
 
     def _check_skip_cap(self, final: bool) -> None:
