@@ -601,8 +601,11 @@ class _Worker:
             # sent: it raises an error naming them, or (skip) gives the batch without them.
             if arena is not None:
                 self.pool.release(arena.slab.id)
+            drop_unsendable = getattr(self.fetcher, "drop_unsendable", None)
             try:
-                data = self.fetcher.drop_unsendable(error)
+                if drop_unsendable is None:
+                    raise error
+                data = drop_unsendable(error)  # (raises error when no sample is to blame)
             except Exception:
                 self._send(("err", task_id, generation, RemoteError(self.config.worker_id)))
                 return
@@ -611,7 +614,9 @@ class _Worker:
             return
         finally:
             # The fetcher kept the batch's samples for the blame above: let them go.
-            self.fetcher.forget()
+            forget = getattr(self.fetcher, "forget", None)
+            if forget is not None:
+                forget()
         slab = encoded.slab
         fds: list[int] = []
         capacity = 0
