@@ -127,15 +127,17 @@ class WithSkips:
         return (WithSkips, (self.batch, self.skipped))
 
 
-def take_skips(outcome: tuple[str, Any]) -> tuple[list[SkippedSample], tuple[str, Any]]:
-    """Unwrap a task's outcome: its skip records, and ("ok", the shorter batch), or
-    ("skipped", None) when no sample survived."""
-    if outcome[0] != "ok" or type(outcome[1]) is not WithSkips:
+def take_skips(outcome: Any) -> tuple[list[SkippedSample], Any]:
+    """Unwrap a task's outcome (``_messages.Outcome``): its skip records, and the shorter
+    ``Batch``, or ``AllSkipped`` when no sample survived."""
+    value = getattr(outcome, "value", None)  # only a Batch has one
+    if type(value) is not WithSkips:
         return [], outcome
-    wrapped: WithSkips = outcome[1]
-    if wrapped.batch is NO_BATCH:
-        return wrapped.skipped, ("skipped", None)
-    return wrapped.skipped, ("ok", wrapped.batch)
+    from ._messages import AllSkipped, Batch  # (_messages imports this module)
+
+    if value.batch is NO_BATCH:
+        return value.skipped, AllSkipped()
+    return value.skipped, Batch(value.batch)
 
 
 def _describe_error(error: BaseException) -> str:
