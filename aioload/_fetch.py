@@ -170,11 +170,15 @@ class Gathered:
     """One task's samples under an active policy: the keys they were fetched by, the samples
     (a ``_Failed`` where one was skipped), for ``collate``."""
 
-    __slots__ = ("keys", "opaque", "samples")
+    __slots__ = ("failed", "keys", "opaque", "samples")
 
-    def __init__(self, keys: list[Any], samples: Any, opaque: bool = False) -> None:
+    def __init__(
+        self, keys: list[Any], samples: Any, opaque: bool = False, failed: int | None = None
+    ) -> None:
         self.keys = keys
         self.samples = samples
+        # How many samples were skipped (None: not counted, look at each).
+        self.failed = failed
         # Collated as it is, with no policy: a batched fetch's result that is not one sample
         # per key, or an async fetch without a policy (kept only to name unsendable samples).
         self.opaque = opaque
@@ -341,15 +345,17 @@ class BaseFetcher:
             whole = gathered.samples if self.auto_collation else [gathered.samples]
             self.remember(gathered.keys, whole, [])
             return batch
-        keys: list[Any] = []
-        samples: list[Any] = []
+        keys: list[Any] = gathered.keys
+        samples: list[Any] = gathered.samples
         skipped: list[SkippedSample] = []
-        for key, sample in zip(gathered.keys, gathered.samples, strict=True):
-            if type(sample) is _Failed:
-                skipped.append(sample.record)
-            else:
-                keys.append(key)
-                samples.append(sample)
+        if gathered.failed != 0:
+            keys, samples = [], []
+            for key, sample in zip(gathered.keys, gathered.samples, strict=True):
+                if type(sample) is _Failed:
+                    skipped.append(sample.record)
+                else:
+                    keys.append(key)
+                    samples.append(sample)
         if not samples:
             return WithSkips(NO_BATCH, skipped)
         try:
@@ -526,25 +532,49 @@ class Fetcher(BaseFetcher):
                 return gathered_batch(keys, getitems(indices))
             except Exception:
                 pass  # one by one, below
-        return Gathered(keys, [self._get(key) for key in keys])
-
-    def _get(self, key: Any) -> Any:
-        """One sample, retried ``policy.retries`` times with a growing pause (this worker has
-        nothing else to do meanwhile), then raised or skipped as the policy says."""
-        tries = 0
+        # One try around the whole loop, not one per sample: when nothing fails (the usual
+        # case), this costs what torch's own list comprehension does. A failure leaves the
+        # loop with ``key`` naming the sample; it is retried or skipped, and the loop goes on
+        # from the next key.
+        dataset = self.dataset
+        samples: list[Any] = []
+        append = samples.append
+        remaining = iter(keys)
+        failed = 0
+        key: Any = None
         while True:
+            try:
+                if self.seeded:
+                    for key in remaining:
+                        self._seed(key)
+                        append(dataset[key])
+                else:
+                    for key in remaining:
+                        append(dataset[key])
+                break
+            except Exception as exc:
+                sample = self._retry(key, exc)
+                failed += type(sample) is _Failed
+                append(sample)
+        return Gathered(keys, samples, failed=failed)
+
+    def _retry(self, key: Any, error: Exception) -> Any:
+        """Sample ``key`` failed its first try with ``error``: retry it ``policy.retries`` times
+        with a growing pause (this worker has nothing else to do meanwhile), then raise or
+        skip it as the policy says."""
+        tries = 1
+        while tries <= self.policy.retries:
+            time.sleep(retry_delay(tries - 1))
             tries += 1
             if self.seeded:
                 self._seed(key)
             try:
                 return self.dataset[key]
             except Exception as exc:
-                if tries <= self.policy.retries:
-                    time.sleep(retry_delay(tries - 1))
-                    continue
-                if self.policy.skips(key, exc):
-                    return _Failed(_record(key, exc, tries))
-                raise
+                error = exc
+        if self.policy.skips(key, error):
+            return _Failed(_record(key, error, tries))
+        raise error
 
     # -- iterable ----------------------------------------------------------------------------
 
