@@ -4,6 +4,7 @@ from torch.utils.data import default_collate, default_convert
 
 from ._async_fetch import AsyncIterableDataset
 from ._progress import Progress, progress
+from ._ray_workers import RayWorkers
 from ._worker_main import WorkerInfo, get_worker_info
 from .errors import (
     DataLoaderTimeoutError,
@@ -22,6 +23,7 @@ __all__ = [
     "LoaderError",
     "LoaderStats",
     "Progress",
+    "RayWorkers",
     "SkippedSample",
     "TooManySampleErrors",
     "WorkerDiedError",

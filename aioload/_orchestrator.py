@@ -327,6 +327,9 @@ class Orchestrator:
             self._close_owned()
             return
         backend.start_pass(self._setup.plans)
+        if self._setup.multiprocess:
+            for worker_id in range(self._num_workers):
+                self.stats.where[worker_id] = backend.describe(worker_id)
 
     # -- dispatch ----------------------------------------------------------------------------
 
@@ -382,6 +385,7 @@ class Orchestrator:
         )
         self.stats.restarted(lost.worker_id)
         self._backend.restart(lost.worker_id)
+        self.stats.where[lost.worker_id] = self._backend.describe(lost.worker_id)
         for task_id in held:
             self._backend.submit(lost.worker_id, task_id, self._inflight[task_id].indices)
 

@@ -22,6 +22,7 @@ from ._fetch import SamplePolicy
 from ._inline import InlineBackend
 from ._orchestrator import END, PENDING, Orchestrator, PassSetup
 from ._pinning import Transfer, make_transfer
+from ._ray_workers import RayWorkers
 from ._resume import (
     FORMAT,
     PassProgress,
@@ -79,6 +80,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         shard: str = "auto",
         progress: bool = False,
         worker_concurrency: int = 1,
+        workers: RayWorkers | None = None,
         on_sample_error: str | Callable[[Any, BaseException], str] = "raise",
         max_skipped: int | float | None = None,
         sample_retries: int = 0,
@@ -143,6 +145,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 "worker would start its iterator over, so samples would repeat"
             )
         self.max_worker_restarts = max_worker_restarts
+        if workers is not None and not isinstance(workers, RayWorkers):
+            raise TypeError(
+                f"workers option should be None (local processes) or aioload.RayWorkers, but "
+                f"got workers={workers!r}"
+            )
+        # None: local worker processes; RayWorkers: the num_workers workers as Ray actors.
+        self.workers = workers
         self.worker_concurrency = _check_worker_concurrency(
             worker_concurrency, self.dataset, self._dataset_kind, worker_init_fn
         )
@@ -483,8 +492,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 return InlineBackend(spec, offload=offload_inline)
 
         else:
+            ray_workers = self.workers
 
             def make_pool(base_seed: int) -> WorkerBackend:
+                if ray_workers is not None:
+                    from ._ray import RayBackend  # imports Ray: only when a pass needs it
+
+                    return RayBackend(spec, base_seed, ray_workers)
                 return WorkerPool(spec, base_seed)
 
             make_backend, owns = self._workers.for_pass(make_pool, start.base_seed)

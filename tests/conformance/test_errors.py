@@ -209,14 +209,6 @@ def test_errors_cross_a_process_boundary(
 ) -> None:
     """What a harness that re-raises in another process needs: the error pickles, with its
     message. torch's are builtins, so they do; aioload's must too."""
-    if is_aioload:
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="fixed by issue 13 §4: WorkerDiedError and DataLoaderTimeoutError take "
-                "keyword-only arguments, so pickle.loads(pickle.dumps(error)) fails",
-            )
-        )
     for dataset, kwargs in (
         (Sleepy(4, slow=0, seconds=1.5), {"timeout": 0.5}),
         (Suicidal(4, bad=0, signum=signal.SIGKILL), {}),

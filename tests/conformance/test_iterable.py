@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from .conftest import Reference, batches, outcome, xfail_aioload
+from .conftest import Reference, batches, outcome
 from .datasets import LyingLength, Sharded, UnevenIterable, Unsharded
 
 with warnings.catch_warnings():
@@ -152,12 +152,6 @@ def _double(x: int) -> int:
 def test_datapipe_sharded_across_workers(
     loader_cls: type[Any], reference: Reference, request: pytest.FixtureRequest, no_leaks: None
 ) -> None:
-    xfail_aioload(
-        request,
-        "fixed by issue 13 §5: aioload's workers do not call graph_settings.apply_sharding, "
-        "so each worker yields the whole DataPipe",
-    )
-
     def scenario(cls: type[Any]) -> list[Any]:
         pipe = IterableWrapper(range(10)).sharding_filter()
         return batches(cls(pipe, batch_size=None, num_workers=2))
@@ -170,12 +164,6 @@ def test_datapipe_sharded_across_workers(
 def test_datapipe_shuffle_agrees_across_workers_and_changes_per_epoch(
     loader_cls: type[Any], reference: Reference, request: pytest.FixtureRequest, no_leaks: None
 ) -> None:
-    xfail_aioload(
-        request,
-        "fixed by issue 13 §5: no shared seed for shuffle() DataPipes across workers "
-        "(torch applies graph_settings.apply_random_seed from one seed per epoch)",
-    )
-
     def scenario(cls: type[Any]) -> list[Any]:
         pipe = IterableWrapper(range(12)).shuffle().sharding_filter()
         loader = cls(

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from .conftest import Reference, outcome, xfail_aioload
+from .conftest import Reference, outcome
 from .datasets import HoldsEvent, Versioned, WorkerReport, mark_worker
 
 # What a sample reports that must match torch's exactly (pids differ from run to run).
@@ -199,11 +199,6 @@ def test_dataset_holding_a_multiprocessing_event_under_spawn(
 ) -> None:
     """A dataset may hold objects of the loader's multiprocessing context (an Event here):
     torch hands the dataset to Process(args=...), where inheritance is allowed."""
-    xfail_aioload(
-        request,
-        "fixed by issue 13 §3: aioload pickles the dataset itself before the process starts, "
-        "so an mp.Event raises '... should only be shared between processes through inheritance'",
-    )
 
     def scenario(cls: type[Any]) -> Any:
         context = multiprocessing.get_context("spawn")
