@@ -508,20 +508,22 @@ class Orchestrator:
         assert isinstance(outcome, Batch)
         value = outcome.value
         self._num_yielded += 1
-        # torch refills the prefetch window as it hands a batch over (``_process_data`` calls
-        # ``_try_put_index``), not at the next request. Doing the same keeps the number of
-        # tasks sent after k batches at prefetch + k, and with it which sampler draws happen
-        # before a ``break``: a later shuffled epoch then matches torch's order. (In the calling
-        # process torch draws a batch's indices only when it is asked for, so nothing is sent
-        # ahead there.)
-        if self._setup.multiprocess:
-            self._dispatch()
         self.stats.yielded(
             value,
             samples,
             in_flight=len(self._inflight),
             waiting=len(self._reorder_buffer) + len(self._completed) + len(self._staged),
         )
+        # torch refills the prefetch window as it hands a batch over (``_process_data`` calls
+        # ``_try_put_index``), not at the next request. Doing the same keeps the number of
+        # tasks sent after k batches at prefetch + k, and with it which sampler draws happen
+        # before a ``break``: a later shuffled epoch then matches torch's order. (In the calling
+        # process torch draws a batch's indices only when it is asked for, so nothing is sent
+        # ahead there.)
+        # The queue depths above are read before the refill: they describe what was waiting
+        # when this batch was handed over.
+        if self._setup.multiprocess:
+            self._dispatch()
         iterable_len = self._setup.iterable_len
         if iterable_len is not None and self._num_yielded > iterable_len:
             warn_msg = (
