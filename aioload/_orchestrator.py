@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import anyio
-import anyio._backends._asyncio
 
 from ._fetch import PassPlan
 from ._pinning import PinStage, Transfer

@@ -30,7 +30,6 @@ import anyio
 from ._channel import ChannelClosed, ParentChannel
 from ._fetch import PassPlan
 from ._transport import SlabMappings
-from ._worker_main import WorkerConfig, worker_main
 from .errors import WorkerDiedError
 from .stats import PassStats
 
@@ -183,6 +182,10 @@ class WorkerPool:
             raise
 
     def _spawn(self, worker_id: int) -> _Worker:
+        # The worker-side code is imported on the first spawn, not with the package: the
+        # parent never runs it, a fork only needs it in memory, and `import aioload` stays cheap.
+        from ._worker_main import WorkerConfig, worker_main
+
         spec = self.spec
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         channel = ParentChannel(parent_sock)

@@ -15,10 +15,9 @@ import torch.utils.data
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
-from . import _progress, _sync
+from . import _lazy, _sync
 from ._async_fetch import is_async_dataset
 from ._fetch import PassPlan
-from ._inline import InlineSource
 from ._orchestrator import END, PENDING, Orchestrator
 from ._pinning import Transfer, make_transfer
 from ._resume import (
@@ -158,6 +157,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         self._latest_pass: PassProgress | None = None
         self._pending_resume: PassProgress | None = None
         self._pending_in_progress = False
+        # What the first pass runs here, imported now rather than inside its clock (_lazy).
+        _lazy.warm(self.num_workers)
 
     # -- epochs and checkpoints ---------------------------------------------------------------
 
@@ -308,12 +309,16 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         iterator = _SyncIterator(self._engine(offload_inline=False), len_fn=self.__len__)
         if self.progress:
+            from . import _progress  # only a loader with a progress bar needs it
+
             return _progress.wrap_sync(iterator, self, {})
         return iterator
 
     def __aiter__(self) -> AsyncIterator[Any]:
         iterator = _AsyncIterator(self._engine(offload_inline=True))
         if self.progress:
+            from . import _progress
+
             return _progress.wrap_async(iterator, self, {})
         return iterator
 
@@ -446,6 +451,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             owns = True
 
             def make_source() -> Any:
+                # Imported here: only num_workers=0 runs datasets in this process.
+                from ._inline import InlineSource
+
                 return InlineSource(spec, offload=offload_inline)
 
         elif self.persistent_workers:

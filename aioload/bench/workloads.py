@@ -21,8 +21,6 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from aioload.bench.httpserver import file_name
-
 IMAGE_SHAPE: tuple[int, int, int] = (3, 224, 224)
 IMAGE_POOL: int = 4
 """Number of distinct preallocated images the image dataset cycles through."""
@@ -171,6 +169,8 @@ class HttpDataset(Dataset[torch.Tensor]):
     def __getitem__(self, index: int) -> torch.Tensor:
         import httpx
 
+        from aioload.bench.httpserver import file_name
+
         if self._client is None or self._client[0] != os.getpid():
             self._client = (
                 os.getpid(),
@@ -221,6 +221,8 @@ class AsyncHttpDataset(Dataset[torch.Tensor]):
             await client.aclose()
 
     async def __getitem__(self, index: int) -> torch.Tensor:  # type: ignore[override]
+        from aioload.bench.httpserver import file_name
+
         client = self.clients[index % len(self.clients)]
         response = await client.get("/" + file_name(index))
         response.raise_for_status()
