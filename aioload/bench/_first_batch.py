@@ -53,11 +53,14 @@ def main() -> int:
     p.add_argument("--batches", type=int, default=16, help="batches in the short epoch")
     p.add_argument("--repo", default="", help="put this folder first on sys.path")
     p.add_argument("--url", default="", help="the HTTP server (http workload)")
+    p.add_argument("--max-size", type=int, default=0, help="at most this many samples")
     a = p.parse_args()
     if a.repo:
         sys.path.insert(0, a.repo)
     workloads = _load_workloads()
     size = a.batch_size * a.batches
+    if a.max_size:
+        size = min(size, a.max_size)
     workload = workloads.WORKLOADS[a.workload]
     on_aioload = a.loader == "aioload"
     dataset = workloads.make_dataset(

@@ -246,12 +246,13 @@ CONCURRENCY = 32
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
-        Workload("tiny", 1_000_000, 256, 2, 2.0, "scalar tensors, per-batch overhead"),
-        Workload("image", 80_000, 64, 2, 4.0, "uint8 3x224x224, transport bandwidth"),
-        Workload("cpu", 5_000, 32, 2, 1.0, "~1 ms pure Python per sample, compute scaling"),
+        # Sizes: one epoch outlasts a run's 3 s of steady state, which stops mid-epoch.
+        Workload("tiny", 4_000_000, 256, 2, 2.5, "scalar tensors, per-batch overhead"),
+        Workload("image", 400_000, 64, 2, 4.0, "uint8 3x224x224, transport bandwidth"),
+        Workload("cpu", 20_000, 32, 2, 1.0, "~1 ms pure Python per sample, compute scaling"),
         Workload(
             "latency",
-            4_096,
+            16_384,
             32,
             2,
             15.0,
@@ -261,7 +262,7 @@ WORKLOADS: dict[str, Workload] = {
         ),
         Workload(
             "http",
-            2_048,
+            8_192,
             32,
             2,
             5.0,
