@@ -23,6 +23,12 @@ import torch
 from aioload.bench.workloads import WORKLOADS, make_dataset
 
 
+def _kwargs(workload: str) -> dict[str, Any]:
+    """aioload's extra arguments for ``workload`` (none for the sweep's ``bytes:N``)."""
+    known = WORKLOADS.get(workload)
+    return dict(known.aioload_kwargs) if known else {}
+
+
 class _Stacker:
     """Stacks a batch of samples into one buffer, allocated in shared memory on first use and
     reused while the batch's shape and dtype stay the same."""
@@ -95,7 +101,10 @@ class _AsyncPass:
         for i in self.indices:
             if self.stop:
                 return
-            self.done.append(await self.dataset[i])
+            # Awaited first: `self.done` is rebound below, and an append bound before the await
+            # would land in a list already taken.
+            sample = await self.dataset[i]
+            self.done.append(sample)
             if len(self.done) >= size:
                 batch, self.done = self.done[:size], self.done[size:]
                 self.stacker.stack(batch)
@@ -105,7 +114,7 @@ class _AsyncPass:
 
 async def _async_floor(dataset: Any, cfg: Any, worker_id: int, count: _Count) -> None:
     """``concurrency`` samples in flight at once, as aioload's worker keeps them."""
-    concurrency = int(WORKLOADS[cfg.workload].aioload_kwargs.get("worker_concurrency", 1))
+    concurrency = int(_kwargs(cfg.workload).get("worker_concurrency", 1))
     context = dataset if hasattr(dataset, "__aenter__") else contextlib.nullcontext(dataset)
     async with context:
         for _epoch in range(cfg.max_epochs):
@@ -117,13 +126,17 @@ async def _async_floor(dataset: Any, cfg: Any, worker_id: int, count: _Count) ->
 
 def _floor_process(cfg: Any, worker_id: int, conn: multiprocessing.connection.Connection) -> None:
     torch.set_num_threads(1)  # as a loader's worker runs
-    asynchronous = bool(WORKLOADS[cfg.workload].aioload_kwargs)
+    asynchronous = bool(_kwargs(cfg.workload))
     dataset = make_dataset(
         cfg.workload, cfg.size, cfg.cpu_iters, asynchronous=asynchronous, url=cfg.url
     )
     count = _Count()
     if asynchronous:
-        asyncio.run(_async_floor(dataset, cfg, worker_id, count))
+        import uvloop
+
+        # The loop aioload's workers run (uvloop), so the floor is not held back by its loop.
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(_async_floor(dataset, cfg, worker_id, count))
     else:
         _sync_floor(dataset, cfg, worker_id, count)
     conn.send((count.items, count.t_last - count.t_first, count.batches))

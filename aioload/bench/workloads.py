@@ -61,6 +61,22 @@ class ImageDataset(Dataset[torch.Tensor]):
         return self._pool[index % IMAGE_POOL].clone()
 
 
+class BytesDataset(Dataset[torch.Tensor]):
+    """``n`` uint8 samples of ``nbytes`` each, cloned from a small pool (one memcpy per sample):
+    the sweep's sample-size, batch-size and worker-count axes (``bytes:<nbytes>``)."""
+
+    def __init__(self, n: int, nbytes: int, seed: int = 0) -> None:
+        self.n = n
+        gen = torch.Generator().manual_seed(seed)
+        self._pool = torch.randint(0, 256, (IMAGE_POOL, nbytes), dtype=torch.uint8, generator=gen)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self._pool[index % IMAGE_POOL].clone()
+
+
 def burn(iters: int, salt: int) -> int:
     """Pure-Python busy loop (holds the GIL); cost is linear in ``iters``."""
     acc = salt
@@ -280,6 +296,8 @@ def make_dataset(
     """The workload's dataset; ``asynchronous`` picks the async version where there is one."""
     if name == "tiny":
         return TinyDataset(size)
+    if name.startswith("bytes:"):
+        return BytesDataset(size, int(name.split(":", 1)[1]))
     if name == "image":
         return ImageDataset(size)
     if name == "cpu":
