@@ -104,7 +104,25 @@ def render_block(results: list[dict[str, Any]], meta: dict[str, Any], png_name: 
             f"| {report.fmt_ips(floor)} | {cell(r['torch'])} | {cell(r['aioload'])} "
             f"| {report.fmt_ratio(ratio)} |"
         )
-    lines += ["", f"![items/s and % of floor along each axis]({png_name})", "", report.SWEEP_END]
+    lines += [
+        "",
+        f"![items/s and % of floor along each axis]({png_name})",
+        "",
+        "Reading it. Where batches are small (batch size 1-8, or small samples), the fixed "
+        "cost per batch dominates and aioload, like torch, sits far below a floor that sends "
+        "nothing anywhere. The profile of that regime (py-spy on the `tiny` workload, "
+        "[Where the parent's time goes](architecture.md#where-the-parents-time-goes)) puts the "
+        "hot frames in the sync front end's wait for the next answer: `_sync.run` -> "
+        "`run_until_complete` -> `WorkerPool.wait` -> anyio's `move_on_after` / "
+        "`wait_readable` and its reader callback, one event-loop step per batch that is not "
+        "in yet, ahead of `SlabMappings.decode`, `ParentChannel.pump_in` / `_split` and the "
+        "dispatch's `pump_out`. With more workers than cores, every process also waits for a "
+        "core, and the parent, which must run once per batch, is one of them. The large-sample "
+        "end (1-8 MB) was not profiled in this session: there the floor itself is bounded by "
+        "memory bandwidth (two copies per sample), and the gap to it is not yet explained.",
+        "",
+        report.SWEEP_END,
+    ]
     return "\n".join(lines)
 
 
