@@ -1,7 +1,7 @@
 """``num_workers=0``: batches are loaded in the calling process, as torch does.
 
-This is a stand-in for the worker pool with the interface the orchestrator uses, so both
-kinds of loading share one engine. Under ``async for`` the fetch runs in a thread of the
+This is the ``_backend.WorkerBackend`` with one worker, the calling process, so every kind of
+loading shares one engine. Under ``async for`` the fetch runs in a thread of the
 caller's event loop (dataset code never runs on the loop itself); under ``for`` it runs directly
 on the private loop, which has nothing else to do.
 
@@ -24,79 +24,67 @@ import anyio.from_thread
 from . import _sync
 from ._async_fetch import AsyncFetcher, StreamEnd, has_async_context, is_async_dataset
 from ._fetch import Fetcher, PassPlan
-from ._workers import Outcome, WorkerSpec
-from .stats import PassStats
+from ._messages import Answer, Batch, Event, Outcome, Raised, StreamEnded, StreamState
+from ._workers import WorkerSpec
 
-__all__ = ["InlineSource"]
+__all__ = ["InlineBackend"]
 
 
-class InlineSource:
+class InlineBackend:
     num_workers = 1
-    broken: BaseException | None = None
-    stale = False
-    stats: PassStats | None = None
+    # A fresh one per pass: never kept.
+    retired = False
 
     def __init__(self, spec: WorkerSpec, offload: bool) -> None:
         self.spec = spec
         self.offload = offload
         self.fetcher: Any = None
         self.task: tuple[int, Any] | None = None
-        self.result: tuple[int, int, Outcome] | None = None
-        self.generation = 0
-        self.watched: int | None = None
+        self.answer: Answer | None = None
         self.plan = PassPlan()
-        self.stream_states: dict[int, tuple[int, Any, bool]] = {}
+        # Where the IterableDataset stream stands after the task just fetched.
+        self.stream: StreamState | None = None
         self.is_async = is_async_dataset(spec.dataset, spec.dataset_kind)
         # The dataset's async context (its per-worker setup), entered on the loop that fetches,
         # at the first fetch of the pass, and exited when the pass's source is closed.
         self.context_entered = False
 
-    def begin_epoch(self, first: bool, plans: list[PassPlan]) -> int:
+    def start_pass(self, plans: list[PassPlan]) -> None:
         # The fetcher (and an IterableDataset's iterator) is made on the first fetch, in the
         # thread that fetches, as torch makes it lazily too.
         self.plan = plans[0]
         self.fetcher = None
-        self.stream_states.clear()
-        return self.generation
 
     def submit(self, worker_id: int, task_id: int, indices: Any) -> None:
         assert self.task is None, "one task at a time in the calling process"
         self.task = (task_id, indices)
 
-    def flush(self) -> None:
-        pass
-
-    def check_health(self) -> None:
-        pass
-
-    def pid(self, worker_id: int) -> int | None:
-        return None
-
-    def watch(self, fd: int) -> None:
-        self.watched = fd
-
-    # Nothing to heal in the calling process.
-    restarts_left = 0
-
-    def take_restarted(self) -> list[int]:
-        return []
-
-    def kill(self, worker_id: int) -> None:
-        pass
-
-    def poll(self) -> list[tuple[int, int, Outcome]]:
-        if self.result is None:
+    def poll(self) -> list[Event]:
+        if self.answer is None:
             return []
-        result, self.result = self.result, None
-        return [result]
+        answer, self.answer = self.answer, None
+        return [answer]
 
-    async def wait(self, deadline: float) -> bool:
+    # Nothing to heal in the calling process: no worker can be lost, so none is replaced.
+    def restart(self, worker_id: int) -> None:
+        raise AssertionError("the calling process is never restarted")
+
+    def abandon(self, worker_id: int) -> None:
+        pass
+
+    def retire(self) -> None:
+        pass
+
+    def describe(self, worker_id: int) -> str:
+        return "the calling process"
+
+    async def wait(self, deadline: float, wake_fd: int | None = None) -> None:
         assert deadline == math.inf
         if self.task is None:
-            if self.watched is not None:
+            if wake_fd is not None:
                 # Only the pin stage has work: wait for it.
-                await anyio.wait_readable(self.watched)
-            return True
+                await anyio.wait_readable(wake_fd)
+            return
         started = time.perf_counter()
         if self.is_async:
             outcome = await self._fetch_async(*self.task)
@@ -106,13 +94,11 @@ class InlineSource:
             outcome = await anyio.to_thread.run_sync(self._fetch, *self.task)
         else:
             outcome = self._fetch(*self.task)
-        if self.stats is not None:
-            # The calling process is the one "worker" here.
-            self.stats.fetched(0, time.perf_counter() - started)
         task_id = self.task[0]
         self.task = None
-        self.result = (0, task_id, outcome)
-        return True
+        stream, self.stream = self.stream, None
+        # The calling process is the one "worker" here.
+        self.answer = Answer(0, task_id, outcome, stream, time.perf_counter() - started)
 
     def _fetch(self, task_id: int, indices: Any) -> Outcome:
         spec = self.spec
@@ -128,25 +114,25 @@ class InlineSource:
                     in_calling_process=True,
                 )
             batch = self.fetcher.fetch(indices)
-            self._record_stream(task_id)
-            return ("ok", batch)
+            self._record_stream()
+            return Batch(batch)
         except StopIteration as exc:
             if spec.dataset_kind == 1:
-                return ("end", None)
-            return ("raise", exc)
+                return StreamEnded()
+            return Raised(exc)
         except Exception as exc:
             # Raised as it is, with its own traceback, as torch does in this mode.
-            return ("raise", exc)
+            return Raised(exc)
 
-    def _record_stream(self, task_id: int) -> None:
+    def _record_stream(self) -> None:
         """Where an IterableDataset's stream stands after this task's batch (for state_dict),
-        as a worker's "state" frame says it."""
+        as a worker's reply says it."""
         fetcher = self.fetcher
         if fetcher.iterable:
             # A copy: in this process the dataset's state object may be the live one, which
             # later batches would change under the checkpoint.
             state = copy.deepcopy(fetcher.state())
-            self.stream_states[task_id] = (fetcher.samples_seen, state, fetcher.ended)
+            self.stream = StreamState(fetcher.samples_seen, state, fetcher.ended)
 
     async def _fetch_async(self, task_id: int, indices: Any) -> Outcome:
         spec = self.spec
@@ -165,14 +151,14 @@ class InlineSource:
                     spec.worker_concurrency,
                 )
             batch = await self.fetcher.fetch(indices)
-            self._record_stream(task_id)
-            return ("ok", batch)
+            self._record_stream()
+            return Batch(batch)
         except StreamEnd:
-            return ("end", None)
+            return StreamEnded()
         except Exception as exc:
-            return ("raise", exc)
+            return Raised(exc)
 
-    def close(self, grace: float = 0.0) -> None:
+    def close(self) -> None:
         fetcher, self.fetcher = self.fetcher, None
         if self.is_async and (self.context_entered or fetcher is not None):
             self._close_async(fetcher)

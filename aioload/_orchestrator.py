@@ -1,7 +1,8 @@
 """The async engine behind both iterators: dispatch, reorder, health, timeouts, shutdown.
 
-One Orchestrator serves one pass over the sampler. It is pure bookkeeping on the event loop: it
-sends ``(task_id, indices)`` to workers, keeps at most ``prefetch_factor * num_workers`` tasks
+One Orchestrator serves one pass over the sampler, described by one frozen ``PassSetup``. It is
+pure bookkeeping on the event loop: it sends ``(task_id, indices)`` to the workers of a
+``_backend.WorkerBackend`` (processes, the calling process, or Ray actors), keeps at most ``prefetch_factor * num_workers`` tasks
 between "sent" and "yielded", and hands batches out in task-id order (or as they complete, with
 ``in_order=False``). It starts no tasks of its own: all of its work happens inside the
 consumer's ``await engine.next()``, so it needs no task group, cannot leak a background task,
@@ -19,18 +20,20 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, NamedTuple, NoReturn
 
 import anyio
 
+from ._backend import WorkerBackend
 from ._fetch import PassPlan
+from ._messages import Answer, Batch, Failed, Outcome, Raised, StreamEnded, WorkerLost
 from ._pinning import PinStage, Transfer
-from ._resume import PassProgress, StreamPoint, YieldedPositions
-from ._workers import Outcome
+from ._resume import PassProgress, StreamPoint
 from .errors import DataLoaderTimeoutError
 from .stats import PassStats
 
-__all__ = ["END", "PENDING", "Orchestrator"]
+__all__ = ["END", "PENDING", "Orchestrator", "PassSetup"]
 
 
 class _End:
@@ -42,43 +45,44 @@ END: Any = _End()
 PENDING: Any = object()
 
 
-class Source(Protocol):
-    """What the orchestrator needs from the worker pool (or from the in-process stand-in)."""
+@dataclass(frozen=True)
+class PassSetup:
+    """Everything one pass needs to know, decided once when the pass is made (see
+    ``DataLoader._pass_setup``)."""
 
+    # (sampler position, indices), resumed positions already left out (``_resume.PassStart``).
+    batches: Iterator[tuple[int, Any]]
     num_workers: int
-    broken: BaseException | None
-    stale: bool
-    stream_states: dict[int, tuple[int, Any, bool]]
-    # Where answers of this pass report their workers' fetch times.
-    stats: PassStats | None
-
-    def begin_epoch(self, first: bool, plans: list[PassPlan]) -> int: ...
-    def submit(self, worker_id: int, task_id: int, indices: Any) -> None: ...
-    def flush(self) -> None: ...
-    def poll(self) -> list[tuple[int, int, Outcome]]: ...
-    async def wait(self, deadline: float) -> bool: ...
-    def check_health(self) -> None: ...
-    def pid(self, worker_id: int) -> int | None: ...
-    def watch(self, fd: int) -> None: ...
-    def take_restarted(self) -> list[int]: ...
-    def kill(self, worker_id: int) -> None: ...
-
-    restarts_left: int
-
-    def close(self, grace: float = ...) -> None: ...
+    prefetch: int
+    in_order: bool
+    timeout: float
+    max_worker_restarts: int
+    # Where the pass records what it yielded (for state_dict()), and each worker's plan.
+    progress: PassProgress
+    plans: list[PassPlan]
+    # Start the backend in a thread (``async for`` with worker processes: forking takes
+    # milliseconds each and must not hold the caller's event loop).
+    offload_start: bool
+    # Workers in other processes (the IterableDataset length warning says so).
+    multiprocess: bool
+    # The pin / host-to-device stage, if any.
+    transfer: Transfer | None = None
+    # torch's IterableDataset length warning: len(dataloader) as reported, and the dataset.
+    iterable_len: int | None = None
+    dataset: Any = None
 
 
-# The source before the first next() starts it (every use checks for this first).
+# The backend before the first next() starts it (every use checks for this first).
 _NOT_STARTED: Any = object()
 
 
 class PassResources:
-    """What one pass must release: its pin stage, and its source when it owns it. A finalizer
+    """What one pass must release: its pin stage, and its backend when it owns it. A finalizer
     holds this, not the orchestrator, so an abandoned pass (``break``, ``del``) is still
     cleaned up when it is collected."""
 
     def __init__(self) -> None:
-        self.source: Source | None = None
+        self.backend: WorkerBackend | None = None
         self.stage: PinStage | None = None
 
     def close(self) -> None:
@@ -86,80 +90,83 @@ class PassResources:
         stage, self.stage = self.stage, None
         if stage is not None:
             stage.close()
-        source, self.source = self.source, None
-        if source is not None:
-            source.close()
+        backend, self.backend = self.backend, None
+        if backend is not None:
+            backend.close()
+
+
+class _Sent(NamedTuple):
+    """A task sent and not yet answered."""
+
+    worker_id: int
+    indices: Any
+
+
+class _Assigned(NamedTuple):
+    """A task sent and not yet yielded."""
+
+    worker_id: int
+    position: int  # in sampler order
+    # Where the worker's IterableDataset stream stood after it, once answered.
+    point: StreamPoint | None = None
+
+
+class _Done(NamedTuple):
+    """An answered task waiting for its turn; its sample count travels with it."""
+
+    worker_id: int
+    outcome: Outcome
+    samples: int
 
 
 class Orchestrator:
     def __init__(
         self,
-        source: Callable[[], Source],
+        backend: Callable[[], WorkerBackend],
+        setup: PassSetup,
         *,
-        sampler_iter: Iterator[Any],
-        prefetch: int,
-        in_order: bool,
-        timeout: float,
-        owns_source: bool,
-        first_epoch: bool,
-        iterable_len: int | None,
-        dataset: Any,
-        num_workers: int,
-        offload_start: bool,
-        plans: list[PassPlan],
-        progress: PassProgress,
-        skip: YieldedPositions | None = None,
-        start: int = 0,
-        transfer: Transfer | None = None,
+        owns_backend: bool,
         stats: PassStats | None = None,
     ) -> None:
-        # The source (worker pool) is built on the first next(): under ``async for`` that runs
-        # in a thread, because forking workers takes milliseconds each and must not hold the
-        # caller's event loop.
-        self._make_source = source
+        # The backend (worker pool) is built on the first next(): under ``async for`` that
+        # runs in a thread, see PassSetup.offload_start.
+        self._make_backend = backend
         self.owned = PassResources()
-        self._source: Source = _NOT_STARTED
-        self._transfer = transfer
+        self._backend: WorkerBackend = _NOT_STARTED
+        self._setup = setup
         self._stage: PinStage | None = None
-        self._prefetch = prefetch
-        self._offload_start = offload_start
-        self._first_epoch = first_epoch
-        self._plans = plans
         # Batches leave through _deliver, which records them here for state_dict().
-        self.progress = progress
-        # (sampler position, indices); positions a resumed pass had already yielded skipped.
-        self._sampler_iter = _positions(sampler_iter, skip, start)
-        self._num_workers = num_workers
-        self._capacity = prefetch * num_workers
-        self._in_order = in_order
-        self._timeout = timeout
-        self._owns_source = owns_source
-        self._iterable_len = iterable_len
-        self._dataset = dataset
+        self.progress = progress = setup.progress
+        self._batches = setup.batches
+        num_workers = self._num_workers = setup.num_workers
+        self._capacity = setup.prefetch * num_workers
+        self._in_order = setup.in_order
+        self._timeout = setup.timeout
+        self._owns_backend = owns_backend
         self.stats = stats if stats is not None else PassStats(num_workers, False, False)
+        self.stats.resumed_batches = len(progress.yielded)
+        # Healing: how many more lost workers this pass may replace.
+        self._restarts_left = setup.max_worker_restarts
 
         self._send_idx = 0  # id of the next task to send
         self._rcvd_idx = 0  # id of the next task to yield (in order)
-        # Tasks sent and not yet answered: task id -> (worker id, indices).
-        self._inflight: dict[int, tuple[int, Any]] = {}
-        # Tasks sent and not yet yielded: task id -> (worker id, sampler position, where the
-        # worker's IterableDataset stream stood after it, once answered).
-        self._assigned: dict[int, tuple[int, int, StreamPoint | None]] = {}
-        # Task ids handed to the pin stage, in order (it keeps order).
-        self._staged: deque[int] = deque()
-        # Answered, waiting for their turn (in order): task id -> (worker id, outcome).
-        self._reorder_buffer: dict[int, tuple[int, Outcome]] = {}
-        # Answered, in arrival order (in_order=False): (task id, worker id, outcome).
-        self._completed: deque[tuple[int, int, Outcome]] = deque()
+        self._inflight: dict[int, _Sent] = {}
+        self._assigned: dict[int, _Assigned] = {}
+        # Tasks handed to the pin stage, in order (it keeps order), with their sample counts.
+        self._staged: deque[tuple[int, int]] = deque()
+        # Answered, waiting for their turn (in order).
+        self._reorder_buffer: dict[int, _Done] = {}
+        # Answered, in arrival order (in_order=False): (task id, answer).
+        self._completed: deque[tuple[int, _Done]] = deque()
         # Tasks between "sent" and "yielded or skipped", the quantity prefetch bounds.
         self._unyielded = 0
-        self._per_worker = [0] * self._num_workers
+        self._per_worker = [0] * num_workers
         # A resumed IterableDataset pass: streams that had run dry stay so.
-        self._active = [not progress.streams[w].ended for w in range(self._num_workers)]
+        self._active = [not progress.streams[w].ended for w in range(num_workers)]
         # Samples each IterableDataset stream had drawn by its last answer.
         self._samples_seen = [progress.streams[w].samples_seen for w in range(num_workers)]
         # torch's round robin; a resumed IterableDataset pass starts where the last one was.
-        self._next_worker = progress.next_worker % self._num_workers
+        self._next_worker = progress.next_worker % num_workers
         self._sampler_done = False
         self._num_yielded = len(progress.yielded)
         self._fatal: BaseException | None = None
@@ -188,16 +195,14 @@ class Orchestrator:
         """
         if self._over():
             return END
-        if self._source is _NOT_STARTED:
+        if self._backend is _NOT_STARTED:
             return PENDING
         self._dispatch()
-        self._source.flush()
-        for worker_id, task_id, outcome in self._source.poll():
-            self._accept(worker_id, task_id, outcome)
-        if self._source.broken is not None:
-            self._fail(self._source.broken)
-        for worker_id in self._source.take_restarted():
-            self._resend(worker_id)
+        for event in self._backend.poll():
+            if isinstance(event, Answer):
+                self._accept(event)
+            else:
+                self._lost(event)
         stage = self._stage
         if stage is None:
             ready = self._pop_ready()
@@ -212,16 +217,17 @@ class Orchestrator:
                     ready = self._pop_ready(through_stage=True)
                     if ready is None:
                         break
-                    self._staged.append(ready[0])
-                    stage.submit(ready[1])
+                    task_id, outcome, samples = ready
+                    self._staged.append((task_id, samples))
+                    stage.submit(outcome)
                 staged = stage.take()
-                if staged is not None and staged[0] == "end":
-                    self._end_reached(self._staged.popleft())
-                    self.stats.dropped(staged)
+                if isinstance(staged, StreamEnded):
+                    self._end_reached(self._staged.popleft()[0])
                     continue
                 break
             if staged is not None:
-                return self._deliver(self._staged.popleft(), staged)
+                task_id, samples = self._staged.popleft()
+                return self._deliver(task_id, staged, samples)
             if stage.pending:
                 return PENDING
         if not self._inflight and (self._sampler_done or not any(self._active)):
@@ -236,7 +242,7 @@ class Orchestrator:
             return END
         self._busy = True
         try:
-            if self._source is _NOT_STARTED:
+            if self._backend is _NOT_STARTED:
                 await self._start()
                 if self._closed:
                     return END
@@ -249,46 +255,41 @@ class Orchestrator:
                 return result
             if time.monotonic() >= deadline:
                 stuck = self._stuck_worker()
-                if stuck is not None and self._source.restarts_left > 0:
-                    # A hung worker, and healing is on: kill it; its death is handled as any
+                if stuck is not None and self._restarts_left > 0:
+                    # A hung worker, and healing is on: stop it; its loss is handled as any
                     # other (replaced, its tasks sent again) and the wait starts over.
-                    self._source.kill(stuck)
+                    self._backend.abandon(stuck)
                     deadline = time.monotonic() + self._timeout
                     continue
-                self._source.stale = True
+                # Stuck in a sample: this pass may go on, but no other runs on these workers.
+                self._backend.retire()
                 raise self._timeout_error()
             self._busy = True
             try:
-                if not await self._source.wait(deadline):
-                    self._source.check_health()
+                wake_fd = self._stage.wake_r if self._stage is not None else None
+                await self._backend.wait(deadline, wake_fd)
             finally:
                 self._busy = False
 
     async def _start(self) -> None:
-        if self._offload_start:
+        if self._setup.offload_start:
             with anyio.CancelScope(shield=True):
                 # Shielded: a pool half-made when a cancellation arrives would be orphaned.
-                source = await anyio.to_thread.run_sync(self._make_source)
+                backend = await anyio.to_thread.run_sync(self._make_backend)
         else:
-            source = self._make_source()
-        self._source = source
-        source.stats = self.stats
-        if self._owns_source:
-            self.owned.source = source
-        if self._transfer is not None:
-            self._stage = PinStage(self._transfer, depth=self._prefetch)
+            backend = self._make_backend()
+        self._backend = backend
+        if self._owns_backend:
+            self.owned.backend = backend
+        if self._setup.transfer is not None:
+            self._stage = PinStage(self._setup.transfer, depth=self._setup.prefetch)
             self._stage.stats = self.stats
             self.owned.stage = self._stage
         if self._closed:
             # Closed while it was starting (a cancelled, then abandoned iterator).
-            self._close_source()
+            self._close_owned()
             return
-        source.begin_epoch(self._first_epoch, self._plans)
-        if self._stage is not None:
-            # After begin_epoch, which forgets the pipes watched for earlier passes: watched
-            # before it, this pass's pipe was dropped too, and each batch through the stage
-            # then waited for the 1 s health-check bound instead of the stage's wake-up.
-            source.watch(self._stage.wake_r)
+        backend.start_pass(self._setup.plans)
 
     # -- dispatch ----------------------------------------------------------------------------
 
@@ -311,114 +312,124 @@ class Orchestrator:
             if worker_id is None:
                 return
             try:
-                position, indices = next(self._sampler_iter)
+                position, indices = next(self._batches)
             except StopIteration:
                 self._sampler_done = True
                 return
             task_id = self._send_idx
             self._send_idx += 1
-            self._source.submit(worker_id, task_id, indices)
-            self._inflight[task_id] = (worker_id, indices)
-            self._assigned[task_id] = (worker_id, position, None)
+            self._backend.submit(worker_id, task_id, indices)
+            self._inflight[task_id] = _Sent(worker_id, indices)
+            self._assigned[task_id] = _Assigned(worker_id, position)
             self._per_worker[worker_id] += 1
             self._unyielded += 1
 
     # -- results -----------------------------------------------------------------------------
 
-    def _resend(self, worker_id: int) -> None:
-        """A replaced worker's unanswered tasks go to its successor, with the same task ids: the
-        reorder buffer neither loses nor duplicates a batch. (Answers its predecessor sent
-        before dying were taken in first.)"""
-        self.stats.restarted(worker_id)
-        for task_id in sorted(self._inflight):
-            owner, indices = self._inflight[task_id]
-            if owner == worker_id:
-                self._source.submit(worker_id, task_id, indices)
-        self._source.flush()
+    def _lost(self, lost: WorkerLost) -> None:
+        """A worker is gone. With restarts left, a successor takes its slot and its unanswered
+        tasks, with the same task ids: the reorder buffer neither loses nor duplicates a
+        batch. (Answers its predecessor sent before dying were taken in first.) Otherwise the
+        pass ends with the backend's error, naming the indices the worker held."""
+        held = sorted(t for t, sent in self._inflight.items() if sent.worker_id == lost.worker_id)
+        if self._restarts_left <= 0:
+            self._fail(lost.error)
+        self._restarts_left -= 1
+        limit = self._setup.max_worker_restarts
+        warnings.warn(
+            f"{lost.error} aioload replaced it with a new worker {lost.worker_id} "
+            f"(restart {limit - self._restarts_left} of max_worker_restarts={limit}) and is "
+            "sending its unfinished tasks again.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        self.stats.restarted(lost.worker_id)
+        self._backend.restart(lost.worker_id)
+        for task_id in held:
+            self._backend.submit(lost.worker_id, task_id, self._inflight[task_id].indices)
 
-    def _accept(self, worker_id: int, task_id: int, outcome: Outcome) -> None:
+    def _accept(self, answer: Answer) -> None:
+        task_id, worker_id, outcome = answer.task_id, answer.worker_id, answer.outcome
         sent = self._inflight.pop(task_id, None)
         if sent is None:
             return
-        samples = self.stats.count(sent[1])
-        if outcome[0] == "end":
+        if answer.busy_s is not None:
+            self.stats.fetched(worker_id, answer.busy_s)
+        samples = self.stats.count(sent.indices)
+        if isinstance(outcome, StreamEnded):
             # This worker's IterableDataset copy has run dry for this epoch.
             self._active[worker_id] = False
-        elif self.progress.iterable:
-            stream = self._source.stream_states.pop(task_id, None)
-            if stream is not None:
-                # The stream's own count says what the batch holds (a short last batch, or a
-                # collate whose result has no batch dimension).
-                samples = stream[0] - self._samples_seen[worker_id]
-                self._samples_seen[worker_id] = stream[0]
-                _, position, _ = self._assigned[task_id]
-                point = StreamPoint(stream[0], stream[1] is not None, stream[1], stream[2])
-                self._assigned[task_id] = (worker_id, position, point)
-        self.stats.answered(outcome, samples)
+        elif self.progress.iterable and answer.stream is not None:
+            stream = answer.stream
+            # The stream's own count says what the batch holds (a short last batch, or a
+            # collate whose result has no batch dimension).
+            samples = stream.samples_seen - self._samples_seen[worker_id]
+            self._samples_seen[worker_id] = stream.samples_seen
+            point = StreamPoint(
+                stream.samples_seen, stream.state is not None, stream.state, stream.ended
+            )
+            self._assigned[task_id] = self._assigned[task_id]._replace(point=point)
+        done = _Done(worker_id, outcome, samples)
         if self._in_order:
-            self._reorder_buffer[task_id] = (worker_id, outcome)
+            self._reorder_buffer[task_id] = done
         else:
-            self._completed.append((task_id, worker_id, outcome))
+            self._completed.append((task_id, done))
 
-    def _pop_ready(self, through_stage: bool = False) -> tuple[int, Outcome] | None:
+    def _pop_ready(self, through_stage: bool = False) -> tuple[int, Outcome, int] | None:
         while True:
             if self._in_order:
-                entry = self._reorder_buffer.pop(self._rcvd_idx, None)
-                if entry is None:
+                done = self._reorder_buffer.pop(self._rcvd_idx, None)
+                if done is None:
                     return None
                 task_id = self._rcvd_idx
                 self._rcvd_idx += 1
-                worker_id, outcome = entry
             else:
                 if not self._completed:
                     return None
-                task_id, worker_id, outcome = self._completed.popleft()
+                task_id, done = self._completed.popleft()
             self._unyielded -= 1
-            if outcome[0] == "end":
+            if isinstance(done.outcome, StreamEnded):
                 if through_stage:
-                    return task_id, outcome
+                    return task_id, done.outcome, 0
                 self._end_reached(task_id)
-                self.stats.dropped(outcome)
                 continue
-            self._per_worker[worker_id] -= 1
-            self.stats.handed(outcome)
-            return task_id, outcome
+            self._per_worker[done.worker_id] -= 1
+            return task_id, done.outcome, done.samples
 
     def _end_reached(self, task_id: int) -> None:
         assigned = self._assigned.pop(task_id, None)
         if assigned is not None:
-            self.progress.streams[assigned[0]].ended = True
+            self.progress.streams[assigned.worker_id].ended = True
         self._note_next_worker(task_id)
 
     def _note_next_worker(self, task_id: int) -> None:
         # In order, the batch after this one is task_id + 1: the worker it went to, or (not
         # sent yet) the one the round robin will pick.
         following = self._assigned.get(task_id + 1)
-        self.progress.next_worker = following[0] if following else self._next_worker
+        self.progress.next_worker = following.worker_id if following else self._next_worker
 
     def _record_yield(self, task_id: int) -> None:
         assigned = self._assigned.pop(task_id, None)
         if assigned is None:
             return
-        worker_id, position, point = assigned
         progress = self.progress
-        progress.yielded.add(position)
+        progress.yielded.add(assigned.position)
         if progress.iterable:
-            if point is not None:
-                progress.streams[worker_id] = point
+            if assigned.point is not None:
+                progress.streams[assigned.worker_id] = assigned.point
             self._note_next_worker(task_id)
 
-    def _deliver(self, task_id: int, outcome: Outcome) -> Any:
+    def _deliver(self, task_id: int, outcome: Outcome, samples: int) -> Any:
         # Recorded before an error is raised too: a batch whose error reached the consumer
         # has been delivered, and a resumed pass does not fetch it again.
         self._record_yield(task_id)
-        kind, value = outcome
-        samples = self.stats.delivering()
-        if kind == "err":
+        if isinstance(outcome, Failed):
             # The epoch goes on after this if the caller catches it, as in torch.
-            value.reraise()
-        if kind == "raise":
-            raise value
+            outcome.error.reraise()
+        if isinstance(outcome, Raised):
+            raise outcome.error
+        assert isinstance(outcome, Batch)
+        value = outcome.value
         self._num_yielded += 1
         self.stats.yielded(
             value,
@@ -426,13 +437,14 @@ class Orchestrator:
             in_flight=len(self._inflight),
             waiting=len(self._reorder_buffer) + len(self._completed) + len(self._staged),
         )
-        if self._iterable_len is not None and self._num_yielded > self._iterable_len:
+        iterable_len = self._setup.iterable_len
+        if iterable_len is not None and self._num_yielded > iterable_len:
             warn_msg = (
-                f"Length of IterableDataset {self._dataset} was reported to be "
-                f"{self._iterable_len}(when accessing len(dataloader)), but "
+                f"Length of IterableDataset {self._setup.dataset} was reported to be "
+                f"{iterable_len}(when accessing len(dataloader)), but "
                 f"{self._num_yielded} samples have been fetched. "
             )
-            if self._source.pid(0) is not None:
+            if self._setup.multiprocess:
                 warn_msg += (
                     "For multiprocessing data-loading, this could be caused by not properly "
                     "configuring the IterableDataset replica at each worker."
@@ -445,7 +457,7 @@ class Orchestrator:
     def _stuck_worker(self) -> int | None:
         if not self._inflight:
             return None
-        return self._inflight[min(self._inflight)][0]
+        return self._inflight[min(self._inflight)].worker_id
 
     def _timeout_error(self) -> DataLoaderTimeoutError:
         message = f"DataLoader timed out after {self._timeout} seconds"
@@ -454,18 +466,18 @@ class Orchestrator:
             worker_id, indices = self._inflight[waiting]
             message += (
                 f" (waiting for batch {waiting} from DataLoader worker {worker_id}, "
-                f"pid {self._source.pid(worker_id)}, holding indices {_short(indices)})"
+                f"{self._backend.describe(worker_id)}, holding indices {_short(indices)})"
             )
         return DataLoaderTimeoutError(message, timeout=self._timeout)
 
-    def _fail(self, error: BaseException) -> None:
-        # A dead worker ends the pass: its tasks cannot be answered. Shut the pool down now
-        # (a broken persistent pool too: the loader builds a fresh one next epoch).
+    def _fail(self, error: BaseException) -> NoReturn:
+        # A lost worker ends the pass: its tasks cannot be answered. Shut the backend down
+        # now (a persistent one too, so the loader starts a fresh one next epoch).
         self._fatal = error
         self._closed = True
         self.stats.end()
-        self._close_source()  # the pin stage, and the pool if this pass owns it
-        self._source.close()  # a persistent pool too: it is broken
+        self._close_owned()  # the pin stage, and the backend if this pass owns it
+        self._backend.close()  # a kept backend too: it is broken
         raise error
 
     # -- shutdown ----------------------------------------------------------------------------
@@ -484,9 +496,9 @@ class Orchestrator:
         if self._closed:
             return
         self._closed = True
-        self._close_source()
+        self._close_owned()
 
-    def _close_source(self) -> None:
+    def _close_owned(self) -> None:
         self.owned.close()
         self._stage = None
 
@@ -498,15 +510,6 @@ class Orchestrator:
             return
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(self.close)
-
-
-def _positions(
-    sampler_iter: Iterator[Any], skip: YieldedPositions | None, start: int
-) -> Iterator[tuple[int, Any]]:
-    """Number the sampler's batches; on resume, leave out those already yielded."""
-    for position, indices in enumerate(sampler_iter, start):
-        if skip is None or position not in skip:
-            yield position, indices
 
 
 def _short(indices: Any, limit: int = 16) -> str:

@@ -26,15 +26,21 @@ import os
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
-from ._workers import Outcome
+from ._messages import Batch, Outcome, Raised
 from .stats import PassStats
 
 __all__ = ["CudaTransfer", "PinStage", "PinTransfer", "Transfer", "make_transfer"]
+
+
+class _Staged(NamedTuple):
+    """A batch the stage's thread has transferred; handed over on the consumer's side."""
+
+    value: Any
 
 
 class Transfer:
@@ -162,7 +168,7 @@ class PinStage:
         self.transfer = transfer
         self.depth = max(1, depth)
         self._inbox: queue.SimpleQueue[tuple[int, Outcome] | None] = queue.SimpleQueue()
-        self._done: dict[int, Outcome] = {}
+        self._done: dict[int, Outcome | _Staged] = {}
         self._lock = threading.Lock()
         # The pass's counters, if any; written from the stage's thread only.
         self.stats: PassStats | None = None
@@ -194,11 +200,11 @@ class PinStage:
         if outcome is None:
             return None
         self._next_out += 1
-        if outcome[0] == "staged":
+        if isinstance(outcome, _Staged):
             try:
-                return ("ok", self.transfer.handover(outcome[1]))
+                return Batch(self.transfer.handover(outcome.value))
             except Exception as exc:
-                return ("raise", exc)
+                return Raised(exc)
         return outcome
 
     def drain_wake(self) -> None:
@@ -217,20 +223,21 @@ class PinStage:
             if item is None:
                 return
             seq, outcome = item
-            if outcome[0] == "ok":
+            done: Outcome | _Staged = outcome
+            if isinstance(outcome, Batch):
                 if setup_error is not None:
-                    outcome = ("raise", setup_error)
+                    done = Raised(setup_error)
                 else:
                     started = time.perf_counter()
                     try:
-                        outcome = ("staged", self.transfer.run(outcome[1]))
+                        done = _Staged(self.transfer.run(outcome.value))
                         if self.stats is not None:
                             self.stats.transferred(time.perf_counter() - started)
                     except Exception as exc:
                         # Reaches the consumer in order, like a dataset error.
-                        outcome = ("raise", exc)
+                        done = Raised(exc)
             with self._lock:
-                self._done[seq] = outcome
+                self._done[seq] = done
             with contextlib.suppress(BlockingIOError, OSError):
                 os.write(self._wake_w, b"\0")
 

@@ -65,10 +65,17 @@ class _Bar:
         self.bar.close()
 
 
-def _initial(loader: Any) -> int:
-    """Batches a resumed pass had yielded before the checkpoint: its bar starts there."""
-    latest = getattr(loader, "_latest_pass", None)
-    return len(latest.yielded) if latest is not None else 0
+def _pass_stats(inner: Any) -> PassStats | None:
+    """The pass's counters: an aioload iterator carries them (torch's has none)."""
+    stats = getattr(inner, "pass_stats", None)
+    return stats if isinstance(stats, PassStats) else None
+
+
+def _bar(inner: Any, loader: Any, options: dict[str, Any]) -> _Bar:
+    stats = _pass_stats(inner)
+    # A resumed pass's bar starts at the batches it had yielded before the checkpoint.
+    initial = stats.resumed_batches if stats is not None else 0
+    return _Bar(_total(loader), stats, {"initial": initial, **options})
 
 
 def _total(loader: Any) -> int | None:
@@ -152,18 +159,11 @@ class _AsyncProgress:
 
 
 def wrap_sync(inner: Iterator[Any], loader: Any, options: dict[str, Any]) -> _SyncProgress:
-    # The pass's counters exist once its iterator does (aioload loaders only).
-    stats = getattr(loader, "_pass_stats", None)
-    return _SyncProgress(
-        inner, _Bar(_total(loader), stats, {"initial": _initial(loader), **options})
-    )
+    return _SyncProgress(inner, _bar(inner, loader, options))
 
 
 def wrap_async(inner: AsyncIterator[Any], loader: Any, options: dict[str, Any]) -> _AsyncProgress:
-    stats = getattr(loader, "_pass_stats", None)
-    return _AsyncProgress(
-        inner, _Bar(_total(loader), stats, {"initial": _initial(loader), **options})
-    )
+    return _AsyncProgress(inner, _bar(inner, loader, options))
 
 
 class Progress:

@@ -21,12 +21,24 @@ The state is plain data (ints, lists, dicts, byte tensors), loadable with
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["FORMAT", "PassProgress", "StreamPoint", "YieldedPositions"]
+from ._fetch import PassPlan
+
+__all__ = [
+    "FORMAT",
+    "PassProgress",
+    "PassStart",
+    "StreamPoint",
+    "YieldedPositions",
+    "begin_pass",
+    "numbered_batches",
+]
 
 FORMAT = "aioload.DataLoader/1"
 
@@ -157,3 +169,136 @@ def set_generator_states(generators: list[torch.Generator], states: list[Any]) -
     check_generator_count(states, generators)
     for generator, state in zip(generators, states, strict=True):
         generator.set_state(state)
+
+
+# -- how a pass starts: its randomness, drawn (or replayed) in one place -----------------------
+
+
+@dataclass
+class PassStart:
+    """What a pass draws when it starts: its numbered batches, base seed and progress."""
+
+    # (sampler position, indices); positions a resumed pass had already yielded left out.
+    batches: Iterator[tuple[int, Any]]
+    # The workers' base seed; None when the pass reuses persistent workers.
+    base_seed: int | None
+    # seed_per_sample's base seed for the loader's life (the first pass's base seed).
+    sample_seed: int | None
+    progress: PassProgress
+    plans: list[PassPlan]
+
+
+def begin_pass(
+    *,
+    epoch: int,
+    resume: PassProgress | None,
+    in_progress: bool,
+    reuse_workers: bool,
+    index_sampler: Iterable[Any],
+    generators: list[torch.Generator],
+    draw_base_seed: Callable[[], int],
+    sample_seed: int | None,
+    seed_per_sample: bool,
+    iterable: bool,
+    num_streams: int,
+    rank: int,
+) -> PassStart:
+    """Draw a pass's randomness, or replay a checkpointed pass's, and plan what it skips.
+
+    The pass's randomness is drawn here, at its start, and nowhere else: the sampler's order
+    (torch's samplers draw on their first next(), hence the priming) and the base seed, in
+    torch's order (iter(sampler), then the base seed, then sampling). Recording the RNG states
+    just before makes the pass replayable; a resumed pass replays them, and then gives the
+    caller back their own global RNG untouched.
+    """
+    # A pass draws a base seed unless it reuses persistent workers; a replayed pass draws from
+    # the recorded RNGs exactly as the original did (workers it must start anyway get their
+    # seed from the caller's RNG afterwards).
+    replay_draw = resume.drew_base_seed if resume is not None else not reuse_workers
+    snapshot: dict[str, Any] = (
+        resume.rng
+        if resume is not None
+        else {"torch": torch.get_rng_state(), "generators": generator_states(generators)}
+    )
+    callers_rng = torch.get_rng_state() if resume is not None else None
+    try:
+        if resume is not None:
+            torch.set_rng_state(snapshot["torch"])
+            set_generator_states(generators, snapshot["generators"])
+        sampler_iter = iter(index_sampler)
+        base_seed = draw_base_seed() if replay_draw else None
+        sampler_iter = _primed(sampler_iter)
+        if base_seed is None and not reuse_workers:
+            # Workers must start, but the replayed pass drew no seed (it had reused its
+            # workers): draw one without moving the generators the next passes' order comes
+            # from. (A draw from the global RNG is undone with the caller's RNG below.)
+            saved = generator_states(generators)
+            base_seed = draw_base_seed()
+            set_generator_states(generators, saved)
+    finally:
+        if callers_rng is not None:
+            torch.set_rng_state(callers_rng)
+    if reuse_workers:
+        base_seed = None
+    if sample_seed is None and base_seed is not None:
+        sample_seed = base_seed
+
+    progress = PassProgress(
+        epoch=epoch,
+        rng=snapshot,
+        sample_seed=sample_seed if seed_per_sample else None,
+        iterable=iterable,
+        num_streams=num_streams,
+        drew_base_seed=replay_draw,
+    )
+    skip: YieldedPositions | None = None
+    if resume is not None and in_progress:
+        if iterable:
+            progress.streams = [StreamPoint(**vars(point)) for point in resume.streams]
+            progress.next_worker = resume.next_worker
+            # Positions mean nothing to an IterableDataset; only the count goes on.
+            progress.yielded = YieldedPositions(len(resume.yielded))
+        else:
+            progress.yielded = resume.yielded.copy()
+            skip = resume.yielded
+    plans = [
+        PassPlan(
+            epoch=epoch,
+            sample_seed=progress.sample_seed,
+            samples_seen=point.samples_seen,
+            has_state=point.has_state,
+            dataset_state=point.state,
+            ended=point.ended,
+            stream_id=rank * num_streams + worker_id,
+        )
+        for worker_id, point in enumerate(progress.streams)
+    ]
+    start = len(progress.yielded) if iterable else 0
+    return PassStart(
+        batches=numbered_batches(sampler_iter, skip, start),
+        base_seed=base_seed,
+        sample_seed=sample_seed,
+        progress=progress,
+        plans=plans,
+    )
+
+
+def numbered_batches(
+    sampler_iter: Iterator[Any], skip: YieldedPositions | None, start: int
+) -> Iterator[tuple[int, Any]]:
+    """Number the sampler's batches; on resume, leave out those already yielded."""
+    for position, indices in enumerate(sampler_iter, start):
+        if skip is None or position not in skip:
+            yield position, indices
+
+
+_NOTHING: Any = object()
+
+
+def _primed(sampler_iter: Iterator[Any]) -> Iterator[Any]:
+    """Take the sampler's first batch now, so that the random draws a sampler makes when it
+    starts (torch's make them on the first next()) happen at the pass's start."""
+    first = next(sampler_iter, _NOTHING)
+    if first is _NOTHING:
+        return iter(())
+    return itertools.chain((first,), sampler_iter)

@@ -1,7 +1,7 @@
 """The sync front end's event loop.
 
 ``for batch in loader`` drives the same orchestrator as ``async for``, on a private event loop
-(uvloop when installed). One loop per thread is made once and reused, so no step pays for
+(uvloop, which aioload depends on). One loop per thread is made once and reused, so no step pays for
 setting a loop up.
 
 Most steps never enter the loop at all: the front end first calls ``Orchestrator.step()``,

@@ -1,8 +1,12 @@
-"""Code that runs inside a worker process.
+"""Code that runs inside a worker: the fetch step every backend shares, and the process loop.
 
-A worker is a loop over its socket: it reads index tasks, fetches and collates them with torch's
-own fetchers, puts the batch in a shared-memory slab and answers with a small frame. Every task
-gets exactly one answer ("ok", "pickled", "err" or "end"), which keeps the parent's bookkeeping
+:class:`WorkerStep` is what a worker does with a task, wherever it runs: its setup (seeds,
+``get_worker_info()``, ``worker_init_fn``), the pass's fetcher, one fetch and collate (sync or
+async), and one way to answer an error. A Ray actor runs the same step.
+
+:class:`_ProcessWorker` is the loop of a local worker process around that step: it reads
+``_messages.Task``/``Reset``/``FreeSlabs`` from its socket, puts each batch in a shared-memory
+slab and answers with one ``_messages.Reply`` per task, which keeps the parent's bookkeeping
 simple: a task is in flight until its answer arrives or its worker dies.
 
 The worker never outlives its parent. It waits for work in ``poll`` with a one-second bound; a
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import inspect
 import math
 import os
@@ -39,9 +44,29 @@ from . import _transport
 from ._async_fetch import AsyncFetcher, StreamEnd, has_async_context, is_async_dataset
 from ._channel import ChannelClosed, WorkerChannel
 from ._fetch import Fetcher, PassPlan
+from ._messages import (
+    Failure,
+    FreeSlabs,
+    PickledBatch,
+    Produced,
+    Reply,
+    Reset,
+    SlabBatch,
+    StreamEnded,
+    StreamState,
+    Task,
+    ToWorker,
+)
 from .errors import WorkerError
 
-__all__ = ["RemoteError", "WorkerConfig", "WorkerInfo", "get_worker_info", "worker_main"]
+__all__ = [
+    "RemoteError",
+    "WorkerConfig",
+    "WorkerInfo",
+    "WorkerStep",
+    "get_worker_info",
+    "worker_main",
+]
 
 _PARENT_CHECK_S = 1.0
 
@@ -153,39 +178,52 @@ def _seed(base_seed: int, worker_id: int) -> int:
 def worker_main(config: WorkerConfig, sock: Any) -> None:
     # (Under fork, the parent's ends of every worker's socket that we inherited were closed by
     # _workers._disown_after_fork before this runs.)
+    # Everything inherited from the parent is set aside from the cyclic garbage collector: a
+    # full collection here would write to every object the parent made (torch's included) and
+    # so copy every shared page, hundreds of milliseconds at a worker's start. It also keeps
+    # the child from ever collecting (and finalizing) the parent's abandoned objects.
+    gc.freeze()
     # Ctrl-C goes to the whole process group; the parent decides what it means and stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     channel = WorkerChannel(sock)
     # ChannelClosed and friends: the parent is gone or shut us down.
     with contextlib.suppress(ChannelClosed, BrokenPipeError, ConnectionResetError):
-        _Worker(config, channel).run()
+        _ProcessWorker(config, channel).run()
 
 
-class _Worker:
-    # An IterableDataset's __iter__ failed this epoch (init_error: the worker's setup failed).
-    fetch_error: RemoteError | None = None
+StepResult = Produced | Failure | StreamEnded
 
-    def __init__(self, config: WorkerConfig, channel: WorkerChannel) -> None:
+
+class WorkerStep:
+    """What one worker does with one task, whatever carries tasks to it (a process's socket,
+    or a Ray actor's method calls): the worker's setup (seeds, ``get_worker_info()``,
+    ``worker_init_fn``), the pass's fetcher, and the fetch and collate of one task, sync or
+    async. It knows nothing of transports: it returns a :class:`Produced`, a
+    :class:`Failure` or :class:`StreamEnded`, and its caller encodes and sends the answer.
+
+    With ``slabs`` (a process worker), a batch is collated straight into a shared-memory slab
+    when the collate is torch's default.
+    """
+
+    def __init__(self, config: WorkerConfig, slabs: _transport.WorkerSlabPool | None) -> None:
         self.config = config
-        self.channel = channel
-        self.pool = _transport.WorkerSlabPool(config.max_idle_slabs)
+        self.slabs = slabs
+        self.iterable = config.dataset_kind == 1
+        # The newest pass announced to this worker; tasks of older ones are skipped.
         self.generation = config.generation
-        self.pending: deque[Any] = deque()
         self.fetcher: Any = None
+        # The worker's setup failed: the answer to every task it gets, so it reaches the
+        # consumer (and the pool is not reused).
         self.init_error: RemoteError | None = None
+        # An IterableDataset's __iter__ failed this pass.
+        self.fetch_error: RemoteError | None = None
+        # This pass's IterableDataset stream has run dry.
+        self.iteration_end = False
         # An async worker_init_fn's coroutine, awaited on the worker's loop before any task.
         self.async_init: Any = None
-        # Async map-style batches being gathered, by generation: cancelled when a newer pass
-        # starts (persistent workers after a break), so stale fetches free their slots.
-        self.gathering: dict[int, set[anyio.CancelScope]] = {}
-        self.parent_gone = False
-        self.iteration_end = False
-        self.parent_pid = os.getppid()
-        # When the task being answered started: every answer carries its seconds, for stats.
-        self.task_started = 0.0
-        self.poller = select.poll()
-        self.poller.register(channel.sock.fileno(), select.POLLIN)
+        self.dataset: Any = None
+        self.collate_fn: Any = None
 
         wid = config.worker_id
         seed = _seed(config.base_seed, wid)
@@ -211,11 +249,7 @@ class _Worker:
                 if not inspect.isawaitable(self.async_init):
                     self.async_init = None
         except Exception:
-            # Reported as the answer to every task this worker gets, so it reaches the consumer.
-            self.init_error = RemoteError(wid)
-            self.init_error.from_init = True
-        # The fetcher is made when the pass's plan arrives (the first message, always): an
-        # IterableDataset being resumed must load its state before __iter__ runs.
+            self.setup_failed()
         self.is_async = self.init_error is None and is_async_dataset(
             self.dataset, config.dataset_kind
         )
@@ -230,13 +264,40 @@ class _Worker:
             try:
                 raise TypeError("worker_init_fn returned an awaitable, but the dataset is sync")
             except TypeError:
-                self.init_error = RemoteError(wid)
-                self.init_error.from_init = True
+                self.setup_failed()
 
-    def _try_new_fetcher(self, plan: PassPlan) -> None:
-        # An IterableDataset's __iter__ runs here, once per epoch: its failure is this
-        # epoch's, and the next epoch (a "reset") tries again.
+    # -- errors: the one way a task's failure is answered --------------------------------------
+
+    def error(self) -> Failure:
+        """The exception being handled, as this worker's answer (type and traceback kept)."""
+        return Failure(RemoteError(self.config.worker_id))
+
+    def setup_failed(self) -> None:
+        """The exception being handled broke the worker's setup: every task gets it."""
+        self.init_error = RemoteError(self.config.worker_id)
+        self.init_error.from_init = True
+
+    def preamble(self) -> Failure | StreamEnded | None:
+        """The answer to a task that needs no fetch: the worker's setup or this pass's stream
+        failed, or its IterableDataset stream has run dry. None: fetch it."""
+        error = self.init_error or self.fetch_error
+        if error is not None:
+            return Failure(error)
+        if self.iteration_end:
+            return StreamEnded()
+        return None
+
+    # -- a pass --------------------------------------------------------------------------------
+
+    def accepts(self, reset: Reset) -> bool:
+        """Whether a Reset still concerns this worker (not superseded, setup fine)."""
+        return reset.generation >= self.generation and self.init_error is None
+
+    def new_pass(self, plan: PassPlan) -> None:
+        # An IterableDataset's __iter__ runs here, once per pass: its failure is this pass's,
+        # and the next pass tries again.
         self.fetch_error = None
+        self.iteration_end = False
         self.fetcher = None
         try:
             self.fetcher = Fetcher(
@@ -250,9 +311,128 @@ class _Worker:
         except Exception:
             self.fetch_error = RemoteError(self.config.worker_id)
 
-    # -- reading -----------------------------------------------------------------------------
+    def new_async_pass(self, plan: PassPlan) -> AsyncFetcher:
+        self.fetch_error = None
+        self.iteration_end = False
+        fetcher = AsyncFetcher(
+            self.config.dataset_kind,
+            self.dataset,
+            self.config.auto_collation,
+            self.collate_fn,
+            self.config.drop_last,
+            plan,
+            self.config.worker_concurrency,
+        )
+        self.fetcher = fetcher
+        return fetcher
 
-    def _next_message(self) -> Any:
+    async def start_async_stream(self, plan: PassPlan) -> None:
+        """An async IterableDataset's new pass: close the previous stream, open the next (its
+        __aiter__ runs now, after a resumed pass's state is loaded)."""
+        previous = self.fetcher
+        if previous is not None:
+            with contextlib.suppress(Exception):
+                await previous.aclose()
+        fetcher = self.new_async_pass(plan)
+        try:
+            await fetcher.start()
+        except Exception:
+            self.fetch_error = RemoteError(self.config.worker_id)
+
+    # -- a task --------------------------------------------------------------------------------
+
+    def run(self, task: Task) -> StepResult:
+        early = self.preamble()
+        if early is not None:
+            return early
+        fetcher = self.fetcher
+        return self.finish(lambda: fetcher.fetch(task.indices))
+
+    async def run_async(self, task: Task, fetcher: AsyncFetcher | None = None) -> StepResult:
+        """An async dataset's task: gather its samples (with up to worker_concurrency in
+        flight), then collate. ``fetcher`` is the pass's, for map-style batches gathered
+        concurrently across a pass change."""
+        early = self.preamble()
+        if early is not None:
+            return early
+        active: AsyncFetcher = fetcher if fetcher is not None else self.fetcher
+        try:
+            samples = await active.gather(task.indices)
+        except StreamEnd:
+            if not self.iterable:
+                return self.error()
+            self.iteration_end = True
+            return StreamEnded()
+        except Exception:
+            return self.error()
+        # No await from here on: the collate is not interrupted by a cancellation.
+        return self.finish(lambda: active.collate(samples))
+
+    def finish(self, make_batch: Callable[[], Any]) -> StepResult:
+        """Run ``make_batch`` (a fetch, or an async fetch's collate), with a slab to collate
+        into when this worker has shared memory, and note where the stream stands after it."""
+        arena = self._arena()
+        try:
+            _transport._current_arena = arena
+            try:
+                data = make_batch()
+            finally:
+                _transport._current_arena = None
+            stream = None
+            if self.iterable:
+                fetcher = self.fetcher
+                stream = StreamState(fetcher.samples_seen, fetcher.state(), fetcher.ended)
+        except StopIteration:
+            self.release(arena)
+            if not self.iterable:  # only an IterableDataset may run dry
+                return self.error()
+            self.iteration_end = True
+            return StreamEnded()
+        except Exception:
+            self.release(arena)
+            return self.error()
+        return Produced(data, stream, arena)
+
+    def _arena(self) -> Any:
+        if self.slabs is None or not self.config.slab_collate:
+            return None
+        try:
+            return self.slabs.arena()
+        except OSError:
+            return None  # no shared memory now: collate as usual, send by value
+
+    def release(self, arena: Any) -> None:
+        if arena is not None and self.slabs is not None:
+            self.slabs.release(arena.slab.id)
+
+
+class _ProcessWorker:
+    """A worker process: the loop over its socket around one :class:`WorkerStep`.
+
+    Sync datasets are served one task after another. An async dataset's worker runs one event
+    loop for its whole life (uvloop; asyncio's own if it cannot be imported): one coroutine reads the socket, and each
+    map-style task runs as its own task, so the batches the parent has sent ahead (up to
+    prefetch_factor) are gathered at once, sharing the fetcher's worker_concurrency slots. An
+    IterableDataset's tasks run one after another, in order, since they pull from one stream.
+    Answers go out as batches complete; the parent reorders them.
+    """
+
+    def __init__(self, config: WorkerConfig, channel: WorkerChannel) -> None:
+        self.channel = channel
+        self.slabs = _transport.WorkerSlabPool(config.max_idle_slabs)
+        self.step = WorkerStep(config, self.slabs)
+        self.pending: deque[Reset | Task] = deque()
+        # Async map-style batches being gathered, by generation: cancelled when a newer pass
+        # starts (persistent workers after a break), so stale fetches free their slots.
+        self.gathering: dict[int, set[anyio.CancelScope]] = {}
+        self.parent_gone = False
+        self.parent_pid = os.getppid()
+        self.poller = select.poll()
+        self.poller.register(channel.sock.fileno(), select.POLLIN)
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def _next_message(self) -> Reset | Task:
         while not self.pending:
             while not self.channel.has_frame():
                 if not self.poller.poll(int(_PARENT_CHECK_S * 1000)):
@@ -263,118 +443,122 @@ class _Worker:
             self._absorb(self.channel.pop())
         return self.pending.popleft()
 
+    async def _next_message_async(self) -> Reset | Task:
+        """``_next_message`` without blocking the loop: the same one-second bound, after which
+        a changed parent pid ends the worker."""
+        fd = self.channel.sock.fileno()
+        while not self.pending:
+            while not self.channel.has_frame():
+                with anyio.move_on_after(_PARENT_CHECK_S) as wait:
+                    await anyio.wait_readable(fd)
+                if wait.cancelled_caught:
+                    if os.getppid() != self.parent_pid:
+                        raise ChannelClosed
+                    continue
+                self.channel.fill(wait=False)
+            self._absorb(self.channel.pop())
+        return self.pending.popleft()
+
     def _drain(self) -> None:
         """Take in what the parent has already sent, without waiting: slabs it freed since the
-        current task was sent are then reused instead of growing the pool, and a newer epoch
+        current task was sent are then reused instead of growing the pool, and a newer pass
         already announced lets us skip tasks that nobody waits for any more."""
         self.channel.fill(wait=False)
         while self.channel.has_frame():
             self._absorb(self.channel.pop())
 
-    def _absorb(self, message: Any) -> None:
-        kind = message[0]
-        if kind == "free":
-            for slab_id in message[1]:
-                self.pool.release(slab_id)
-        else:
-            if kind == "reset":
-                self.generation = max(self.generation, message[1])
-            self.pending.append(message)
+    def _absorb(self, message: ToWorker) -> None:
+        if isinstance(message, FreeSlabs):
+            for slab_id in message.slab_ids:
+                self.slabs.release(slab_id)
+            return
+        if isinstance(message, Reset):
+            self.step.generation = max(self.step.generation, message.generation)
+        self.pending.append(message)
 
-    # -- the loop ----------------------------------------------------------------------------
+    def _current(self, task: Task) -> bool:
+        """Take in what has arrived; False for a task of a pass the parent has already left."""
+        self._drain()
+        return task.generation >= self.step.generation
+
+    # -- answering -----------------------------------------------------------------------------
+
+    def _answer(self, task: Task, result: StepResult, started: float) -> None:
+        """Encode and send the one reply ``task`` gets."""
+        fds: list[int] = []
+        stream = None
+        wire: SlabBatch | PickledBatch | Failure | StreamEnded
+        if isinstance(result, Produced):
+            # Sent even if the encoding fails: the stream did move past these samples.
+            stream = result.stream
+            wire = self._encode(result, fds)
+        else:
+            wire = result
+        try:
+            # Slabs this worker retired ride along, so the parent can unmap them too.
+            reply = Reply(
+                task.task_id,
+                task.generation,
+                wire,
+                stream,
+                time.perf_counter() - started,
+                self.slabs.take_dropped(),
+            )
+            self.channel.send(reply, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _encode(self, produced: Produced, fds: list[int]) -> SlabBatch | PickledBatch | Failure:
+        arena = produced.arena
+        try:
+            encoded = _transport.encode_batch(produced.data, self.slabs, arena)
+        except OSError:
+            # No shared memory to be had (e.g. /dev/shm or the memory cgroup is full): send the
+            # batch by value instead. Slower, never wrong.
+            self.step.release(arena)
+            try:
+                return PickledBatch(_transport.dumps_by_value(produced.data))
+            except Exception:
+                return self.step.error()
+        except Exception:
+            # Typically an unpicklable sample.
+            self.step.release(arena)
+            return self.step.error()
+        slab = encoded.slab
+        capacity = 0
+        if slab is not None and encoded.new_slab:
+            fd = slab.take_fd()
+            assert fd is not None
+            fds.append(fd)
+            capacity = slab.capacity
+        return SlabBatch(
+            -1 if slab is None else slab.id,
+            capacity,
+            encoded.used,
+            encoded.payload,
+            encoded.leaves,
+        )
+
+    # -- the sync loop -------------------------------------------------------------------------
 
     def run(self) -> None:
-        if self.is_async:
+        if self.step.is_async:
             self._run_async()
             return
         while True:
             message = self._next_message()
-            kind = message[0]
-            if kind == "task":
-                _, task_id, generation, indices = message
-                self._drain()
-                if generation < self.generation:
-                    continue  # a task of an epoch the parent has already left
-                self._run_task(task_id, generation, indices)
-            elif kind == "reset":
-                if message[1] >= self.generation and self.init_error is None:
-                    self.iteration_end = False
-                    self._try_new_fetcher(message[2])
-            elif kind == "stop":
-                return
+            if isinstance(message, Reset):
+                if self.step.accepts(message):
+                    self.step.new_pass(message.plan)
+            elif self._current(message):
+                self._run(message)
 
-    def _answered_without_fetch(self, task_id: int, generation: int) -> bool:
-        """Answer a task that needs no fetch: this worker's setup or this epoch's stream
-        failed ("err"), or its IterableDataset stream has run dry ("end")."""
-        error = self.init_error or self.fetch_error
-        if error is not None:
-            self._send(("err", task_id, generation, error))
-            return True
-        if self.iteration_end:
-            self._send(("end", task_id, generation))
-            return True
-        return False
+    def _run(self, task: Task) -> None:
+        started = time.perf_counter()
+        self._answer(task, self.step.run(task), started)
 
-    def _run_task(self, task_id: int, generation: int, indices: Any) -> None:
-        self.task_started = time.perf_counter()
-        if self._answered_without_fetch(task_id, generation):
-            return
-        fetcher = self.fetcher
-        self._produce(task_id, generation, lambda: fetcher.fetch(indices))
-
-    def _produce(self, task_id: int, generation: int, make_batch: Callable[[], Any]) -> None:
-        """Run ``make_batch`` (a fetch, or an async fetch's collate) with a slab to collate
-        into, and answer the task."""
-        wid = self.config.worker_id
-        arena = None
-        try:
-            if self.config.slab_collate:
-                try:
-                    arena = self.pool.arena()
-                except OSError:
-                    arena = None  # no shared memory now: collate as usual, send by value
-            _transport._current_arena = arena
-            try:
-                data = make_batch()
-            finally:
-                _transport._current_arena = None
-        except StopIteration:
-            if arena is not None:
-                self.pool.release(arena.slab.id)
-            if self.config.dataset_kind != 1:  # only an IterableDataset may run dry
-                self._send(("err", task_id, generation, RemoteError(wid)))
-                return
-            self.iteration_end = True
-            self._send(("end", task_id, generation))
-            return
-        except Exception:
-            if arena is not None:
-                self.pool.release(arena.slab.id)
-            self._send(("err", task_id, generation, RemoteError(wid)))
-            return
-        if self.config.dataset_kind == 1:
-            # Where this stream stands after the batch, sent ahead of it: a checkpoint taken
-            # after the batch is yielded resumes from exactly here.
-            try:
-                state = self.fetcher.state()
-            except Exception:
-                if arena is not None:
-                    self.pool.release(arena.slab.id)
-                self._send(("err", task_id, generation, RemoteError(wid)))
-                return
-            self._send(
-                ("state", task_id, generation, self.fetcher.samples_seen, state, self.fetcher.ended)
-            )
-        self._send_batch(task_id, generation, data, arena)
-
-    # -- async datasets ----------------------------------------------------------------------
-    #
-    # The worker runs one event loop for its whole life (uvloop when installed). One coroutine
-    # reads the socket; each map-style task runs as its own task, so the batches the parent
-    # has sent ahead (up to prefetch_factor) are gathered at once, sharing the fetcher's
-    # worker_concurrency slots. An IterableDataset's tasks run one after another, in order,
-    # since they pull from one stream. Answers go out as batches complete; the parent
-    # reorders them.
+    # -- the async loop ------------------------------------------------------------------------
 
     def _run_async(self) -> None:
         loop = _new_event_loop()
@@ -388,70 +572,55 @@ class _Worker:
             loop.close()
 
     async def _serve(self) -> None:
-        wid = self.config.worker_id
-        if self.async_init is not None:
-            init, self.async_init = self.async_init, None
+        step = self.step
+        if step.async_init is not None:
+            init, step.async_init = step.async_init, None
             try:
                 await init
             except Exception:
-                self.init_error = RemoteError(wid)
-                self.init_error.from_init = True
+                step.setup_failed()
         async with contextlib.AsyncExitStack() as resources:
             # The dataset's per-worker setup (say, an HTTP client session) is entered once,
             # here, on this loop, and exited when the loop below ends: after the parent closed
             # our socket (a graceful shutdown: every in-flight fetch has been cancelled by
             # then, so nothing uses the resources while they close) or the parent died.
             # Shutdown gives a worker 0.5 s before SIGKILL, which is ample to close a client.
-            if self.init_error is None and has_async_context(self.dataset):
+            if step.init_error is None and has_async_context(step.dataset):
                 try:
-                    await resources.enter_async_context(self.dataset)
+                    await resources.enter_async_context(step.dataset)
                 except Exception:
-                    self.init_error = RemoteError(wid)
-                    self.init_error.from_init = True
+                    step.setup_failed()
             try:
                 await self._serve_tasks()
             finally:
-                if self.fetcher is not None:
+                if step.fetcher is not None:
                     with contextlib.suppress(Exception):
-                        await self.fetcher.aclose()
+                        await step.fetcher.aclose()
 
     async def _serve_tasks(self) -> None:
-        iterable = self.config.dataset_kind == 1
+        step = self.step
         # Tasks and resets of an IterableDataset, in arrival order, for the one runner.
-        ordered_in, ordered_out = anyio.create_memory_object_stream[Any](math.inf)
+        ordered_in, ordered_out = anyio.create_memory_object_stream[Reset | Task](math.inf)
         async with anyio.create_task_group() as tasks:
-            if iterable:
+            if step.iterable:
                 tasks.start_soon(self._guarded, tasks, self._run_in_order, ordered_out)
             try:
                 while True:
                     message = await self._next_message_async()
-                    kind = message[0]
-                    if kind == "task":
-                        _, task_id, generation, indices = message
-                        self._drain()
-                        if generation < self.generation:
-                            continue  # a task of an epoch the parent has already left
-                        if iterable:
+                    if isinstance(message, Reset):
+                        self._cancel_older(message.generation)
+                        if step.accepts(message):
+                            if step.iterable:
+                                ordered_in.send_nowait(message)
+                            else:
+                                step.new_async_pass(message.plan)
+                    elif self._current(message):
+                        if step.iterable:
                             ordered_in.send_nowait(message)
                         else:
                             tasks.start_soon(
-                                self._guarded,
-                                tasks,
-                                self._run_map_task,
-                                self.fetcher,
-                                task_id,
-                                generation,
-                                indices,
+                                self._guarded, tasks, self._run_map_task, step.fetcher, message
                             )
-                    elif kind == "reset":
-                        self._cancel_older(message[1])
-                        if message[1] >= self.generation and self.init_error is None:
-                            if iterable:
-                                ordered_in.send_nowait(message)
-                            else:
-                                self._new_async_fetcher(message[2])
-                    elif kind == "stop":
-                        break
             except (ChannelClosed, BrokenPipeError, ConnectionResetError):
                 # Caught here rather than let through: leaving a task group with an exception
                 # wraps it in an ExceptionGroup. Either way every fetch in flight is cancelled
@@ -478,161 +647,34 @@ class _Worker:
             for scope in self.gathering.pop(stale):
                 scope.cancel()
 
-    async def _next_message_async(self) -> Any:
-        """``_next_message`` without blocking the loop: the same one-second bound, after which
-        a changed parent pid ends the worker."""
-        fd = self.channel.sock.fileno()
-        while not self.pending:
-            while not self.channel.has_frame():
-                with anyio.move_on_after(_PARENT_CHECK_S) as wait:
-                    await anyio.wait_readable(fd)
-                if wait.cancelled_caught:
-                    if os.getppid() != self.parent_pid:
-                        raise ChannelClosed
-                    continue
-                self.channel.fill(wait=False)
-            self._absorb(self.channel.pop())
-        return self.pending.popleft()
-
-    def _new_async_fetcher(self, plan: PassPlan) -> AsyncFetcher:
-        self.fetch_error = None
-        self.iteration_end = False
-        fetcher = AsyncFetcher(
-            self.config.dataset_kind,
-            self.dataset,
-            self.config.auto_collation,
-            self.collate_fn,
-            self.config.drop_last,
-            plan,
-            self.config.worker_concurrency,
-        )
-        self.fetcher = fetcher
-        return fetcher
-
-    async def _run_map_task(
-        self, fetcher: AsyncFetcher, task_id: int, generation: int, indices: Any
-    ) -> None:
-        # Batches are gathered concurrently: each keeps its own start, and sets the worker's
-        # task_started just before it answers (with no await between, nothing interleaves).
+    async def _run_map_task(self, fetcher: AsyncFetcher, task: Task) -> None:
+        # Batches are gathered concurrently, each timed from its own start.
         started = time.perf_counter()
-        error = self.init_error or self.fetch_error
-        if error is not None:
-            self.task_started = started
-            self._send(("err", task_id, generation, error))
-            return
         # A stale batch is cancelled without an answer: the parent drops stale answers, and
         # it does not wait for tasks of a pass it has left.
         with anyio.CancelScope() as scope:
-            running = self.gathering.setdefault(generation, set())
+            running = self.gathering.setdefault(task.generation, set())
             running.add(scope)
             try:
-                samples = await fetcher.gather(indices)
-            except Exception:
-                self.task_started = started
-                self._send(("err", task_id, generation, RemoteError(self.config.worker_id)))
-                return
+                result = await self.step.run_async(task, fetcher)
             finally:
                 running.discard(scope)
-                if not running and self.gathering.get(generation) is running:
-                    del self.gathering[generation]
-            # No await from here on: the collate and the answer are not interrupted.
-            self.task_started = started
-            self._produce(task_id, generation, lambda: fetcher.collate(samples))
+                if not running and self.gathering.get(task.generation) is running:
+                    del self.gathering[task.generation]
+            self._answer(task, result, started)
 
     async def _run_in_order(self, messages: Any) -> None:
         async for message in messages:
-            if message[0] == "reset":
-                # A new epoch: the previous stream is closed and a new one opened (its
-                # __aiter__ runs now, after a resumed pass's state is loaded).
-                previous = self.fetcher
-                if previous is not None:
-                    with contextlib.suppress(Exception):
-                        await previous.aclose()
-                fetcher = self._new_async_fetcher(message[2])
-                try:
-                    await fetcher.start()
-                except Exception:
-                    self.fetch_error = RemoteError(self.config.worker_id)
-                continue
-            _, task_id, generation, indices = message
-            if generation < self.generation:
-                continue
-            await self._run_iterable_task(task_id, generation, indices)
-
-    async def _run_iterable_task(self, task_id: int, generation: int, indices: Any) -> None:
-        # One task at a time here (one stream), so the worker's task_started is this task's.
-        self.task_started = time.perf_counter()
-        if self._answered_without_fetch(task_id, generation):
-            return
-        fetcher: AsyncFetcher = self.fetcher
-        try:
-            samples = await fetcher.gather(indices)
-        except StreamEnd:
-            self.iteration_end = True
-            self._send(("end", task_id, generation))
-            return
-        except Exception:
-            self._send(("err", task_id, generation, RemoteError(self.config.worker_id)))
-            return
-        # _produce sends where the stream stands after this batch ahead of it, for state_dict().
-        self._produce(task_id, generation, lambda: fetcher.collate(samples))
-
-    def _send_batch(self, task_id: int, generation: int, data: Any, arena: Any) -> None:
-        try:
-            encoded = _transport.encode_batch(data, self.pool, arena)
-        except OSError:
-            # No shared memory to be had (e.g. /dev/shm or the memory cgroup is full): send the
-            # batch by value instead. Slower, never wrong.
-            if arena is not None:
-                self.pool.release(arena.slab.id)
-            try:
-                payload = _transport.dumps_by_value(data)
-            except Exception:
-                self._send(("err", task_id, generation, RemoteError(self.config.worker_id)))
-                return
-            self._send(("pickled", task_id, generation, payload))
-            return
-        except Exception:
-            # Typically an unpicklable sample.
-            if arena is not None:
-                self.pool.release(arena.slab.id)
-            self._send(("err", task_id, generation, RemoteError(self.config.worker_id)))
-            return
-        slab = encoded.slab
-        fds: list[int] = []
-        capacity = 0
-        if slab is not None and encoded.new_slab:
-            fd = slab.take_fd()
-            assert fd is not None
-            fds.append(fd)
-            capacity = slab.capacity
-        try:
-            self._send(
-                (
-                    "ok",
-                    task_id,
-                    generation,
-                    -1 if slab is None else slab.id,
-                    capacity,
-                    encoded.used,
-                    encoded.payload,
-                    encoded.leaves,
-                ),
-                fds,
-            )
-        finally:
-            for fd in fds:
-                os.close(fd)
-
-    def _send(self, message: tuple[Any, ...], fds: list[int] | None = None) -> None:
-        # Slabs this worker retired ride along, so the parent can unmap them too; before them,
-        # the seconds spent on this task (fetch, collate, copy into the slab), for the stats.
-        busy_s = time.perf_counter() - self.task_started
-        self.channel.send((*message, busy_s, self.pool.take_dropped()), fds)
+            if isinstance(message, Reset):
+                await self.step.start_async_stream(message.plan)
+            elif message.generation >= self.step.generation:
+                started = time.perf_counter()
+                self._answer(message, await self.step.run_async(message), started)
 
 
 def _new_event_loop() -> asyncio.AbstractEventLoop:
-    """A worker's event loop: uvloop when installed, else asyncio's own."""
+    """A worker's event loop: uvloop (a dependency), or asyncio's own if it cannot be
+    imported (a trimmed environment)."""
     try:
         import uvloop
     except ImportError:

@@ -18,7 +18,6 @@ import selectors
 import signal
 import socket
 import time
-import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -29,11 +28,26 @@ import anyio
 
 from ._channel import ChannelClosed, ParentChannel
 from ._fetch import PassPlan
+from ._messages import (
+    Answer,
+    Batch,
+    Event,
+    Failed,
+    Failure,
+    FreeSlabs,
+    Outcome,
+    PickledBatch,
+    Reply,
+    Reset,
+    SlabBatch,
+    Task,
+    ValueBatch,
+    WorkerLost,
+)
 from ._transport import SlabMappings
 from .errors import WorkerDiedError
-from .stats import PassStats
 
-__all__ = ["Outcome", "WorkerPool"]
+__all__ = ["WorkerPool", "WorkerSpec"]
 
 # How long shutdown waits for workers to leave by themselves before it kills them. An idle
 # worker leaves within a millisecond of seeing its socket close; only one that is busy inside
@@ -64,15 +78,12 @@ def _disown_after_fork() -> None:
     _parent_fds.clear()
     for pool in list(_pools):
         pool.closed = True
+        pool.retired = True
         with contextlib.suppress(Exception):
             pool.selector.close()
 
 
 os.register_at_fork(after_in_child=_disown_after_fork)
-
-# What a task produced: ("ok", batch), ("err", RemoteError) or ("end", None) when an
-# IterableDataset worker has run dry.
-Outcome = tuple[str, Any]
 
 
 @dataclass
@@ -87,14 +98,13 @@ class WorkerSpec:
     prefetch_factor: int
     multiprocessing_context: Any
     slab_collate: bool
-    max_worker_restarts: int = 0
     rank: int = 0
     world_size: int = 1
     worker_concurrency: int = 1
 
 
-class _Worker:
-    """The parent's handle on one worker process."""
+class _WorkerHandle:
+    """The parent's handle on one worker process: its process, socket and slab mappings."""
 
     def __init__(self, worker_id: int, process: Any, channel: ParentChannel) -> None:
         self.worker_id = worker_id
@@ -110,7 +120,7 @@ def _no_release(slab_id: int) -> None:
     pass
 
 
-def _describe_exit(worker: _Worker) -> tuple[str, int | None]:
+def _describe_exit(worker: _WorkerHandle) -> tuple[str, int | None]:
     code = worker.process.exitcode
     pid = worker.pid
     if code is not None and code < 0:
@@ -125,38 +135,31 @@ def _describe_exit(worker: _Worker) -> tuple[str, int | None]:
 
 
 class WorkerPool:
-    """``num_workers`` processes, each with its own socket, serving index tasks."""
+    """``num_workers`` processes, each with its own socket, serving index tasks: the process
+    implementation of ``_backend.WorkerBackend``. Health checks (process sentinels, exit codes)
+    and the pin stage's wake-up descriptor stay in here, behind one selector."""
 
     def __init__(self, spec: WorkerSpec, base_seed: int) -> None:
         self.spec = spec
         self.num_workers = spec.num_workers
         self.base_seed = base_seed
         self.generation = 0
+        self.passes = 0
         self.closed = False
-        self.broken: BaseException | None = None
         # Usable for this pass, but not for another: a worker whose init failed, or one stuck
         # in a sample a pass timed out on. A persistent loader starts a fresh pool next pass.
-        self.stale = False
-        self.workers: list[_Worker] = []
+        self.retired = False
+        self.workers: list[_WorkerHandle] = []
         # Slabs whose batch the consumer has let go of, from any thread (a lease dies wherever
         # its last reference is dropped, often inside the garbage collector). deque.append is
         # atomic, and the queue is drained only on the orchestrator's side.
-        self.releases: deque[tuple[_Worker, int]] = deque()
+        self.releases: deque[tuple[_WorkerHandle, int]] = deque()
         self.selector = selectors.DefaultSelector()
-        self._watched: list[int] = []
-        # Healing: how many more dead workers this pass may replace, and the ids replaced since
-        # the orchestrator last looked (it re-sends their in-flight tasks).
-        self.max_restarts = spec.max_worker_restarts
-        self.restarts_left = spec.max_worker_restarts
-        self.restarted: list[int] = []
+        self._wake_fd: int | None = None
         # This pass's plan for each worker (a replacement gets its slot's plan again).
         self.plans: list[PassPlan] = [PassPlan()] * self.num_workers
-        # IterableDataset streams: where each stood after a task's batch, task id ->
-        # (samples seen, dataset state, whether it had run dry). The orchestrator takes an entry when it yields the
-        # batch.
-        self.stream_states: dict[int, tuple[int, Any, bool]] = {}
-        # The current pass's counters (set by its orchestrator).
-        self.stats: PassStats | None = None
+        # Deaths seen while waiting (by the health check), reported by the next poll().
+        self._lost: list[Event] = []
         self._owner_pid = os.getpid()
         _pools.add(self)
         self._start()
@@ -181,7 +184,7 @@ class WorkerPool:
             self.close(grace=0.0)
             raise
 
-    def _spawn(self, worker_id: int) -> _Worker:
+    def _spawn(self, worker_id: int) -> _WorkerHandle:
         # The worker-side code is imported on the first spawn, not with the package: the
         # parent never runs it, a fork only needs it in memory, and `import aioload` stays cheap.
         from ._worker_main import WorkerConfig, worker_main
@@ -225,13 +228,13 @@ class WorkerPool:
             # Our copy of the child's end must go, or the child's death would not close its
             # socket.
             child_sock.close()
-        worker = _Worker(worker_id, process, channel)
+        worker = _WorkerHandle(worker_id, process, channel)
         worker.release = self._make_release(worker)
         self.selector.register(channel.sock, selectors.EVENT_READ, (worker, "sock"))
         self.selector.register(process.sentinel, selectors.EVENT_READ, (worker, "exit"))
         return worker
 
-    def _make_release(self, worker: _Worker) -> Callable[[int], None]:
+    def _make_release(self, worker: _WorkerHandle) -> Callable[[int], None]:
         # Keyed by the worker *incarnation*: a replacement numbers its slabs from 0 again, so a
         # late release of a dead worker's slab must never reach its successor.
         releases = self.releases
@@ -243,55 +246,51 @@ class WorkerPool:
 
     # -- tasks -------------------------------------------------------------------------------
 
-    def begin_epoch(self, first: bool, plans: list[PassPlan]) -> int:
+    def start_pass(self, plans: list[PassPlan]) -> None:
         """Start a new generation (a new pass over the sampler). Answers to tasks of older
         generations are dropped, and every worker gets the pass's plan, on which it makes
         its fetcher (IterableDataset workers re-create their iterator)."""
-        self.check_usable()
-        self.restarts_left = self.max_restarts
-        self.restarted.clear()
-        self.stream_states.clear()
+        if self.closed:
+            raise RuntimeError("aioload: the worker pool has been shut down")
+        self._lost.clear()
+        # The previous pass's pin stage pipe is closed by now, and its number may come back
+        # for this pass's pipe: a closed descriptor leaves epoll by itself, so the selector's
+        # record of it must go too, or the new pipe would never be registered.
+        self._watch(None)
         self.plans = list(plans)
-        # A previous pass's pin stage pipe, if any, is closed by now: forget it.
-        for fd in self._watched:
-            with contextlib.suppress(KeyError, ValueError, OSError):
-                self.selector.unregister(fd)
-        self._watched.clear()
-        if not first:
+        if self.passes:
             self.generation += 1
+        self.passes += 1
         for worker in self.workers:
-            self._queue(worker, ("reset", self.generation, self.plans[worker.worker_id]))
-        self.flush()
-        return self.generation
+            worker.channel.queue(Reset(self.generation, self.plans[worker.worker_id]))
+        self._flush()
 
     def submit(self, worker_id: int, task_id: int, indices: Any) -> None:
-        self._queue(self.workers[worker_id], ("task", task_id, self.generation, indices))
+        # Queued; written by the next poll() or wait(), so a burst of tasks is one write.
+        self.workers[worker_id].channel.queue(Task(task_id, self.generation, indices))
 
-    def _queue(self, worker: _Worker, message: Any) -> None:
-        worker.channel.queue(message)
-
-    def flush(self) -> None:
+    def _flush(self) -> None:
         """Return freed slabs to their workers and write what fits of every outbox."""
         if self.releases:
-            freed: dict[_Worker, list[int]] = {}
+            freed: dict[_WorkerHandle, list[int]] = {}
             while self.releases:
                 worker, slab_id = self.releases.popleft()
                 freed.setdefault(worker, []).append(slab_id)
             for worker, slab_ids in freed.items():
                 if not worker.exited and not worker.channel.closed:
-                    worker.channel.queue(("free", slab_ids))
+                    worker.channel.queue(FreeSlabs(slab_ids))
         for worker in self.workers:
             if worker.channel.outbox and not worker.channel.closed:
                 self._pump_out(worker)
 
-    def _pump_out(self, worker: _Worker) -> None:
+    def _pump_out(self, worker: _WorkerHandle) -> None:
         """Write what fits of a worker's outbox, and watch for writability while some is left."""
         # A closed channel's death is reported through its sentinel.
         with contextlib.suppress(ChannelClosed):
             worker.channel.pump_out()
         self._watch_writable(worker)
 
-    def _watch_writable(self, worker: _Worker) -> None:
+    def _watch_writable(self, worker: _WorkerHandle) -> None:
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if worker.channel.outbox else 0)
         with contextlib.suppress(KeyError, ValueError):
             key = self.selector.get_key(worker.channel.sock)
@@ -300,10 +299,14 @@ class WorkerPool:
 
     # -- results -----------------------------------------------------------------------------
 
-    def poll(self) -> list[tuple[int, int, Outcome]]:
-        """Everything that has arrived, without waiting: (worker_id, task_id, outcome)."""
-        results: list[tuple[int, int, Outcome]] = []
-        dead: list[_Worker] = []
+    def poll(self) -> list[Event]:
+        """Send what was submitted, then everything that has arrived, without waiting."""
+        self._flush()
+        events: list[Event] = []
+        if self._lost:
+            events.extend(self._lost)
+            self._lost.clear()
+        dead: list[_WorkerHandle] = []
         for key, mask in self.selector.select(0):
             worker, what = key.data
             if what == "wake":
@@ -314,62 +317,61 @@ class WorkerPool:
             if mask & selectors.EVENT_WRITE:
                 self._pump_out(worker)
             if mask & selectors.EVENT_READ:
-                self._read(worker, results)
+                self._read(worker, events)
         for worker in dead:
             # Answers the worker sent before it died are still good: take them first.
-            self._read(worker, results)
-            self._on_death(worker)
-        return results
+            self._read(worker, events)
+            self._on_death(worker, events)
+        return events
 
-    def _read(self, worker: _Worker, results: list[tuple[int, int, Outcome]]) -> None:
+    def _read(self, worker: _WorkerHandle, events: list[Event]) -> None:
         if worker.channel.closed:
             return
         try:
-            frames = worker.channel.pump_in()
+            replies = worker.channel.pump_in()
         except ChannelClosed:
             # The worker is exiting; its sentinel reports how.
             with contextlib.suppress(KeyError, ValueError):
                 self.selector.unregister(worker.channel.sock)
             return
-        for frame in frames:
-            outcome = self._decode(worker, frame)
-            if outcome is not None:
-                results.append((worker.worker_id, frame[1], outcome))
+        for reply in replies:
+            answer = self._decode(worker, reply)
+            if answer is not None:
+                events.append(answer)
 
-    def _decode(self, worker: _Worker, frame: tuple[Any, ...]) -> Outcome | None:
-        kind, _task_id, generation = frame[0], frame[1], frame[2]
-        worker.mappings.drop(frame[-1])
-        if kind != "state" and generation == self.generation and self.stats is not None:
-            # Every answer carries the seconds its worker spent on the task, before the
-            # dropped-slabs list (see _worker_main._Worker._send). (A "state" frame precedes
-            # its task's answer and is not one.)
-            self.stats.fetched(worker.worker_id, frame[-2])
-        if kind == "ok":
-            slab_id, capacity, used, payload, leaves = frame[3:8]
-            if capacity:
-                worker.mappings.add(slab_id, worker.channel.take_fd(), capacity)
-            if generation != self.generation:
-                if slab_id >= 0:
-                    self.releases.append((worker, slab_id))
+    def _decode(self, worker: _WorkerHandle, reply: Reply) -> Answer | None:
+        """A reply as the engine sees it; None for a reply of an older pass (dropped)."""
+        worker.mappings.drop(reply.dropped_slabs)
+        result = reply.result
+        current = reply.generation == self.generation
+        outcome: Outcome
+        if isinstance(result, SlabBatch):
+            if result.capacity:
+                worker.mappings.add(result.slab_id, worker.channel.take_fd(), result.capacity)
+            if not current:
+                if result.slab_id >= 0:
+                    self.releases.append((worker, result.slab_id))
                 return None
-            batch = worker.mappings.decode(slab_id, used, payload, leaves, worker.release)
-            return ("ok", batch)
-        if generation != self.generation:
+            outcome = Batch(
+                worker.mappings.decode(
+                    result.slab_id, result.used, result.payload, result.leaves, worker.release
+                )
+            )
+        elif not current:
             return None
-        if kind == "pickled":
-            return ("ok", pickle.loads(frame[3]))
-        if kind == "err":
-            if getattr(frame[3], "from_init", False):
-                self.stale = True
-            return ("err", frame[3])
-        if kind == "end":
-            return ("end", None)
-        if kind == "state":
-            self.stream_states[frame[1]] = (frame[3], frame[4], frame[5])
-            return None
-        raise AssertionError(f"unknown frame from worker: {kind!r}")
+        elif isinstance(result, PickledBatch):
+            outcome = Batch(pickle.loads(result.payload))
+        elif isinstance(result, ValueBatch):
+            outcome = Batch(result.value)
+        elif isinstance(result, Failure):
+            if getattr(result.error, "from_init", False):
+                self.retired = True
+            outcome = Failed(result.error)
+        else:
+            outcome = result
+        return Answer(worker.worker_id, reply.task_id, outcome, reply.stream, reply.busy_s)
 
-    def _on_death(self, worker: _Worker) -> None:
+    def _on_death(self, worker: _WorkerHandle, events: list[Event]) -> None:
         if worker.exited:
             return
         worker.exited = True
@@ -383,27 +385,19 @@ class WorkerPool:
         if self.closed:
             return
         message, code = _describe_exit(worker)
-        if self.restarts_left > 0:
-            self.restarts_left -= 1
-            used = self.max_restarts - self.restarts_left
-            warnings.warn(
-                f"{message} aioload replaced it with a new worker {worker.worker_id} "
-                f"(restart {used} of max_worker_restarts={self.max_restarts}) and is sending "
-                "its unfinished tasks again.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            self._retire(worker)
-            replacement = self._spawn(worker.worker_id)
-            self.workers[worker.worker_id] = replacement
-            self._queue(replacement, ("reset", self.generation, self.plans[worker.worker_id]))
-            self.restarted.append(worker.worker_id)
-            return
-        self.broken = WorkerDiedError(
-            message, worker_id=worker.worker_id, pid=worker.pid, exitcode=code
-        )
+        error = WorkerDiedError(message, worker_id=worker.worker_id, pid=worker.pid, exitcode=code)
+        events.append(WorkerLost(worker.worker_id, error))
 
-    def _retire(self, worker: _Worker) -> None:
+    def restart(self, worker_id: int) -> None:
+        """Replace a lost worker with a fresh process in the same slot, on this pass's plan.
+        Its predecessor's answers were taken in before its loss was reported."""
+        old = self.workers[worker_id]
+        self._retire(old)
+        replacement = self._spawn(worker_id)
+        self.workers[worker_id] = replacement
+        replacement.channel.queue(Reset(self.generation, self.plans[worker_id]))
+
+    def _retire(self, worker: _WorkerHandle) -> None:
         # Its mappings stay alive as long as batches the consumer holds reference them.
         _parent_fds.discard(worker.channel)
         worker.channel.close()
@@ -411,41 +405,52 @@ class WorkerPool:
             worker.process.join(timeout=1.0)
             worker.process.close()
 
-    def kill(self, worker_id: int) -> None:
-        """SIGKILL a worker (a hung one); its death is then handled as any other."""
+    def abandon(self, worker_id: int) -> None:
+        """SIGKILL a worker that stopped answering (a hung one); its death is then reported
+        by poll() as any other."""
         with contextlib.suppress(ProcessLookupError, OSError, ValueError):
             self.workers[worker_id].process.kill()
 
-    def take_restarted(self) -> list[int]:
-        restarted, self.restarted = self.restarted, []
-        return restarted
+    def retire(self) -> None:
+        self.retired = True
 
-    def check_usable(self) -> None:
-        if self.broken is not None:
-            raise self.broken
-        if self.closed:
-            raise RuntimeError("aioload: the worker pool has been shut down")
+    def describe(self, worker_id: int) -> str:
+        return f"pid {self.workers[worker_id].pid}"
 
-    async def wait(self, deadline: float) -> bool:
-        """Wait until something may have arrived, a worker exited, or ``deadline`` (in
-        ``time.monotonic()`` seconds; ``math.inf`` for none) passes. False when nothing woke
-        us: only then is a health check worth its syscalls, since every worker's death already
-        wakes us through its sentinel."""
+    async def wait(self, deadline: float, wake_fd: int | None = None) -> None:
+        """Wait until something may have arrived, a worker exited, ``wake_fd`` (the pin
+        stage's pipe) became readable, or ``deadline`` (in ``time.monotonic()`` seconds;
+        ``math.inf`` for none) passes."""
+        self._flush()
+        if wake_fd != self._wake_fd:
+            self._watch(wake_fd)
         budget = min(deadline - time.monotonic(), _HEALTH_CHECK_S)
         if budget <= 0:
-            return False
+            return
         with anyio.move_on_after(budget):
             await anyio.wait_readable(self.selector.fileno())
-            return True
-        return False
+            return
+        # Nothing woke us: only then is a health check worth its syscalls, since every
+        # worker's death already wakes us through its sentinel.
+        self._check_health()
 
-    def check_health(self) -> None:
+    def _watch(self, fd: int | None) -> None:
+        # The previous pass's pin stage pipe, if any, is closed by now: forget it.
+        if self._wake_fd is not None:
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self.selector.unregister(self._wake_fd)
+        self._wake_fd = fd
+        if fd is not None:
+            self.selector.register(fd, selectors.EVENT_READ, (None, "wake"))
+
+    def _check_health(self) -> None:
         """Catch a worker that exited without its sentinel being seen yet."""
         for worker in self.workers:
             if not worker.exited and worker.process.exitcode is not None:
-                results: list[tuple[int, int, Outcome]] = []
-                self._read(worker, results)
-                self._on_death(worker)
+                answers: list[Event] = []
+                self._read(worker, answers)
+                self._on_death(worker, answers)
+                self._lost.extend(answers)
 
     # -- shutdown ----------------------------------------------------------------------------
 
@@ -455,6 +460,7 @@ class WorkerPool:
         if self.closed or os.getpid() != self._owner_pid:
             return
         self.closed = True
+        self.retired = True
         # 1. Close our ends first. An idle worker sees EOF in its poll() and leaves at once; a
         #    busy one gets EPIPE on its next answer. No "stop" message is needed, and none can
         #    get stuck behind a full socket.
@@ -487,11 +493,3 @@ class WorkerPool:
         with contextlib.suppress(Exception):
             self.selector.close()
         self.releases.clear()
-
-    def watch(self, fd: int) -> None:
-        """Also wake the orchestrator when ``fd`` becomes readable (the pin stage's pipe)."""
-        self.selector.register(fd, selectors.EVENT_READ, (None, "wake"))
-        self._watched.append(fd)
-
-    def pid(self, worker_id: int) -> int | None:
-        return self.workers[worker_id].pid

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import itertools
 import warnings
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
@@ -17,17 +16,17 @@ from torch.utils.data._utils.collate import default_collate
 
 from . import _lazy, _sync
 from ._async_fetch import is_async_dataset
-from ._fetch import PassPlan
-from ._orchestrator import END, PENDING, Orchestrator
+from ._backend import BackendKeeper, WorkerBackend
+from ._orchestrator import END, PENDING, Orchestrator, PassSetup
 from ._pinning import Transfer, make_transfer
 from ._resume import (
     FORMAT,
     PassProgress,
     StreamPoint,
     YieldedPositions,
+    begin_pass,
     check_generator_count,
     generator_states,
-    set_generator_states,
 )
 from ._workers import WorkerPool, WorkerSpec
 from .stats import LoaderStats, PassStats, empty_stats
@@ -143,8 +142,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         self._shard_sampler = shard_sampler
         # Every pass draws a tqdm bar (batches/s, live data-bound %); see aioload.progress.
         self.progress = progress
-        self._persistent_pool: WorkerPool | None = None
-        self._persistent_engine: weakref.ReferenceType[Orchestrator] | None = None
+        # Which workers a pass runs on: fresh ones, or (persistent_workers) those kept.
+        self._workers = BackendKeeper(self, self.persistent_workers)
         # The counters of the newest pass (kept after it ends, for stats()).
         self._pass_stats: PassStats | None = None
         # Epochs: the number the next pass gets (set_epoch, or one more than the last pass).
@@ -272,15 +271,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         self._pending_in_progress = bool(state["in_progress"])
 
     def _pool_reusable(self) -> bool:
-        """Whether the next pass runs on the live persistent pool (and so draws no seed)."""
-        pool = self._persistent_pool if self.persistent_workers else None
-        return (
-            self.num_workers > 0
-            and pool is not None
-            and not pool.closed
-            and pool.broken is None
-            and not pool.stale
-        )
+        """Whether the next pass runs on the live persistent workers (and so draws no seed)."""
+        return self.num_workers > 0 and self._workers.reusable()
 
     def _generators(self) -> list[torch.Generator]:
         """The random generators the sampler order is drawn from (the loader's, and any the
@@ -337,7 +329,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             multiprocessing_context=self.multiprocessing_context,
             # Stack straight into the shared-memory slab when the collate is torch's default.
             slab_collate=self.collate_fn is default_collate,
-            max_worker_restarts=self.max_worker_restarts,
             rank=self._rank,
             world_size=self._world_size,
             worker_concurrency=self.worker_concurrency,
@@ -365,162 +356,86 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         return make_transfer(self.pin_memory, self.device)
 
     def _engine(self, offload_inline: bool) -> Orchestrator:
+        """One pass: its setup, its backend (made on its first next()), and its engine."""
+        setup, make_backend, owns = self._pass_setup(offload_inline)
+        self._pass_stats = PassStats(
+            max(1, self.num_workers),
+            in_process=self.num_workers == 0,
+            auto_collation=self._auto_collation,
+        )
+        engine = Orchestrator(make_backend, setup, owns_backend=owns, stats=self._pass_stats)
+        if owns:
+            # Also on garbage collection of an abandoned pass (``break``, ``del``) and at exit.
+            weakref.finalize(engine, engine.owned.close)
+        else:
+            self._workers.current_pass = weakref.ref(engine)
+        return engine
+
+    def _pass_setup(
+        self, offload_inline: bool
+    ) -> tuple[PassSetup, Callable[[], WorkerBackend], bool]:
+        """The one place a pass is described: its number, its randomness (drawn or replayed,
+        see ``_resume.begin_pass``), its workers and its settings."""
         transfer = self._transfer()
         epoch = self._next_epoch
         self._next_epoch = epoch + 1
         if self._shard_sampler is not None:
             self._shard_sampler.set_epoch(epoch)
         resume, self._pending_resume = self._pending_resume, None
-        in_progress = resume is not None and self._pending_in_progress
-        persistent_pool = self._persistent_pool if self.persistent_workers else None
-        reuse_pool = self._pool_reusable()
-        # A pass draws a base seed unless it reuses a persistent pool; a replayed pass draws
-        # from the recorded RNGs exactly as the original did (a pool it must start anyway gets
-        # its seed from the caller's RNG afterwards).
-        replay_draw = resume.drew_base_seed if resume is not None else not reuse_pool
-        # The pass's randomness is drawn here, at its start, and nowhere else: the sampler's
-        # order (torch's samplers draw on their first next(), hence the priming) and the base
-        # seed. Recording the RNG states just before makes the pass replayable; a resumed pass
-        # replays them, and then gives the caller back their own global RNG untouched.
-        snapshot = resume.rng if resume is not None else self._rng_snapshot()
-        callers_rng = torch.get_rng_state() if resume is not None else None
-        try:
-            if resume is not None:
-                torch.set_rng_state(snapshot["torch"])
-                set_generator_states(self._generators(), snapshot["generators"])
-            # torch's order of RNG use: iter(sampler), then the base seed, then sampling.
-            sampler_iter = iter(self._index_sampler)
-            base_seed = self._draw_base_seed() if replay_draw else None
-            sampler_iter = _primed(sampler_iter)
-            if base_seed is None and not reuse_pool:
-                # A pool must start, but the replayed pass drew no seed (it had reused its
-                # pool): draw one without moving the generators the next passes' order comes
-                # from. (A draw from the global RNG is undone with the caller's RNG below.)
-                generators = self._generators()
-                saved = generator_states(generators)
-                base_seed = self._draw_base_seed()
-                set_generator_states(generators, saved)
-        finally:
-            if callers_rng is not None:
-                torch.set_rng_state(callers_rng)
-        if reuse_pool:
-            base_seed = None
-        if self._sample_seed is None and base_seed is not None:
-            self._sample_seed = base_seed
-
-        iterable = self._dataset_kind == 1
-        streams = max(1, self.num_workers)
-        progress = PassProgress(
+        reuse_workers = self._pool_reusable()
+        start = begin_pass(
             epoch=epoch,
-            rng=snapshot,
-            sample_seed=self._sample_seed if self.seed_per_sample else None,
-            iterable=iterable,
-            num_streams=streams,
-            drew_base_seed=replay_draw,
+            resume=resume,
+            in_progress=resume is not None and self._pending_in_progress,
+            reuse_workers=reuse_workers,
+            index_sampler=self._index_sampler,
+            generators=self._generators(),
+            draw_base_seed=self._draw_base_seed,
+            sample_seed=self._sample_seed,
+            seed_per_sample=self.seed_per_sample,
+            iterable=self._dataset_kind == 1,
+            num_streams=max(1, self.num_workers),
+            rank=self._rank,
         )
-        skip: YieldedPositions | None = None
-        if resume is not None and in_progress:
-            if iterable:
-                progress.streams = [StreamPoint(**vars(point)) for point in resume.streams]
-                progress.next_worker = resume.next_worker
-                # Positions mean nothing to an IterableDataset; only the count goes on.
-                progress.yielded = YieldedPositions(len(resume.yielded))
-            else:
-                progress.yielded = resume.yielded.copy()
-                skip = resume.yielded
-        self._latest_pass = progress
-        plans = [
-            PassPlan(
-                epoch=epoch,
-                sample_seed=progress.sample_seed,
-                samples_seen=point.samples_seen,
-                has_state=point.has_state,
-                dataset_state=point.state,
-                ended=point.ended,
-                stream_id=self._rank * streams + worker_id,
-            )
-            for worker_id, point in enumerate(progress.streams)
-        ]
+        self._sample_seed = start.sample_seed
+        self._latest_pass = start.progress
 
-        first_epoch = True
         spec = self._spec()
-        make_source: Callable[[], Any]
+        make_backend: Callable[[], WorkerBackend]
         if self.num_workers == 0:
             if self.timeout != 0:
                 raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
             owns = True
 
-            def make_source() -> Any:
+            def make_backend() -> WorkerBackend:
                 # Imported here: only num_workers=0 runs datasets in this process.
-                from ._inline import InlineSource
+                from ._inline import InlineBackend
 
-                return InlineSource(spec, offload=offload_inline)
-
-        elif self.persistent_workers:
-            # One pool for the loader's lifetime; a pass that is still open is superseded.
-            previous = self._persistent_engine() if self._persistent_engine else None
-            if previous is not None:
-                previous.close()
-            owns = False
-            pool = persistent_pool
-            if reuse_pool:
-                first_epoch = False
-
-                def make_source() -> Any:
-                    return pool
-
-            else:
-                if pool is not None:
-                    pool.close()
-                    self._persistent_pool = None
-                assert base_seed is not None
-                new_pool_seed = base_seed
-
-                def make_source() -> Any:
-                    new_pool = WorkerPool(spec, new_pool_seed)
-                    self._persistent_pool = new_pool
-                    # The workers die with the loader (or at interpreter exit), not with a pass.
-                    weakref.finalize(self, new_pool.close)
-                    return new_pool
+                return InlineBackend(spec, offload=offload_inline)
 
         else:
-            owns = True
-            assert base_seed is not None
-            pass_seed = base_seed
 
-            def make_source() -> Any:
-                return WorkerPool(spec, pass_seed)
+            def make_pool(base_seed: int) -> WorkerBackend:
+                return WorkerPool(spec, base_seed)
 
-        self._pass_stats = PassStats(
-            max(1, self.num_workers),
-            in_process=self.num_workers == 0,
-            auto_collation=self._auto_collation,
-        )
-        engine = Orchestrator(
-            make_source,
-            sampler_iter=sampler_iter,
+            make_backend, owns = self._workers.for_pass(make_pool, start.base_seed)
+
+        setup = PassSetup(
+            batches=start.batches,
+            num_workers=max(1, self.num_workers),
             prefetch=self.prefetch_factor or 1,
             in_order=self.in_order,
             timeout=self.timeout,
-            owns_source=owns,
-            first_epoch=first_epoch,
+            max_worker_restarts=self.max_worker_restarts,
+            progress=start.progress,
+            plans=start.plans,
+            offload_start=offload_inline and self.num_workers > 0,
+            multiprocess=self.num_workers > 0,
+            transfer=transfer,
             iterable_len=self._IterableDataset_len_called,
             dataset=self.dataset,
-            num_workers=max(1, self.num_workers),
-            offload_start=offload_inline and self.num_workers > 0,
-            plans=plans,
-            progress=progress,
-            skip=skip,
-            start=len(progress.yielded) if iterable else 0,
-            transfer=transfer,
-            stats=self._pass_stats,
         )
-        if owns:
-            # Also on garbage collection of an abandoned pass (``break``, ``del``) and at exit.
-            weakref.finalize(engine, engine.owned.close)
-        else:
-            self._persistent_engine = weakref.ref(engine)
-        return engine
+        return setup, make_backend, owns
 
     def stats(self) -> LoaderStats:
         """A snapshot of the current pass, or of the last one if none is running (an empty one
@@ -535,9 +450,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
 
     def shutdown(self) -> None:
         """Stop persistent workers now rather than when the loader is collected."""
-        if self._persistent_pool is not None:
-            self._persistent_pool.close()
-            self._persistent_pool = None
+        self._workers.shutdown()
 
 
 def _distributed_rank() -> tuple[int, int]:
@@ -555,18 +468,6 @@ def _shared_shuffle_seed(generator: torch.Generator | None) -> int:
     shared: list[Any] = [drawn]
     torch.distributed.broadcast_object_list(shared, src=0)
     return int(shared[0])
-
-
-_NOTHING: Any = object()
-
-
-def _primed(sampler_iter: Iterator[Any]) -> Iterator[Any]:
-    """Take the sampler's first batch now, so that the random draws a sampler makes when it
-    starts (torch's make them on the first next()) happen at the pass's start."""
-    first = next(sampler_iter, _NOTHING)
-    if first is _NOTHING:
-        return iter(())
-    return itertools.chain((first,), sampler_iter)
 
 
 def _check_worker_concurrency(
@@ -635,6 +536,8 @@ class _SyncIterator:
     def __init__(self, engine: Orchestrator, len_fn: Callable[[], int]) -> None:
         self._engine = engine
         self._len_fn = len_fn
+        # The pass's counters (for aioload.progress).
+        self.pass_stats = engine.stats
 
     def __iter__(self) -> _SyncIterator:
         return self
@@ -669,6 +572,8 @@ class _AsyncIterator:
 
     def __init__(self, engine: Orchestrator) -> None:
         self._engine = engine
+        # The pass's counters (for aioload.progress).
+        self.pass_stats = engine.stats
 
     def __aiter__(self) -> _AsyncIterator:
         return self

@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -131,10 +130,8 @@ class PassStats:
         self._waiting_sum = 0
         self.pin_batches = 0
         self.pin_s = 0.0
-        # Sample counts travel beside their outcome: keyed by the outcome's identity while it
-        # waits in the reorder buffer, then in hand-over order through the pin stage.
-        self._sizes: dict[int, int] = {}
-        self._handed: deque[int] = deque()
+        # Batches a resumed pass had yielded before its checkpoint (a progress bar starts there).
+        self.resumed_batches = 0
 
     # -- the consumer (front ends) ------------------------------------------------------------
 
@@ -189,23 +186,6 @@ class PassStats:
     def count(self, indices: Any) -> int:
         """Samples in a task: its index list with automatic batching, else one item."""
         return len(indices) if self._auto_collation else 1
-
-    def answered(self, outcome: object, samples: int) -> None:
-        """Note how many samples a task's answer holds, while it waits for its turn."""
-        self._sizes[id(outcome)] = samples
-
-    def handed(self, outcome: object) -> None:
-        """The outcome leaves the reorder buffer towards the consumer (directly, or through
-        the pin stage, which keeps the order)."""
-        self._handed.append(self._sizes.pop(id(outcome), 0))
-
-    def dropped(self, outcome: object) -> None:
-        """The outcome will not reach the consumer (an exhausted IterableDataset worker)."""
-        self._sizes.pop(id(outcome), None)
-
-    def delivering(self) -> int:
-        """The sample count of the outcome about to be delivered (error or batch)."""
-        return self._handed.popleft() if self._handed else 0
 
     def yielded(self, batch: Any, samples: int, in_flight: int, waiting: int) -> None:
         self.batches += 1

@@ -25,6 +25,14 @@ from aioload._pinning import PinTransfer, Transfer, make_transfer
 
 pytestmark = pytest.mark.timeout(60)
 
+# These check what a machine without an accelerator does (torch's warning, plain batches, the
+# "needs CUDA" error). On a machine with one, that path is not taken: tests/gpu/ covers it.
+cpu_only_path = pytest.mark.skipif(
+    torch.accelerator.is_available(),
+    reason="checks the no-accelerator path, and this machine has an accelerator "
+    "(tests/gpu/ covers the accelerator path)",
+)
+
 
 class Numbers(Dataset[torch.Tensor]):
     def __init__(self, n: int = 40, delay: float = 0.0) -> None:
@@ -205,10 +213,10 @@ def test_timeout_passes_through_the_stage(marking: list[Marking], no_leaks: None
         next(iter(loader))
 
 
+@cpu_only_path
 def test_pin_memory_without_accelerator_warns_and_yields_plain_batches(
     no_leaks: None,
 ) -> None:
-    assert not torch.accelerator.is_available()
     with pytest.warns(UserWarning, match="no accelerator is found"):
         ours = list(aioload.DataLoader(Numbers(10), batch_size=3, num_workers=2, pin_memory=True))
     with warnings.catch_warnings():
@@ -219,8 +227,8 @@ def test_pin_memory_without_accelerator_warns_and_yields_plain_batches(
     assert make_transfer(True, None) is None
 
 
+@cpu_only_path
 def test_device_argument_validation() -> None:
-    assert not torch.cuda.is_available()
     with pytest.raises(RuntimeError, match=r"device='cuda' needs CUDA"):
         aioload.DataLoader(Numbers(), device="cuda")
     with pytest.raises(RuntimeError, match=r"needs CUDA"):

@@ -30,6 +30,7 @@ from torch.utils.data import Dataset, default_collate
 
 import aioload
 from aioload import _transport, _worker_main
+from aioload._messages import PickledBatch, Produced, SlabBatch, Task
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -959,9 +960,9 @@ def test_numpy_leaf_with_strides_not_multiple_of_itemsize(
 
 class _FakeChannel:
     def __init__(self) -> None:
-        self.sent: list[tuple[Any, ...]] = []
+        self.sent: list[Any] = []
 
-    def send(self, message: tuple[Any, ...], fds: list[int] | None = None) -> None:
+    def send(self, message: Any, fds: list[int] | None = None) -> None:
         for fd in fds or []:
             os.close(os.dup(fd))
         self.sent.append(message)
@@ -969,14 +970,18 @@ class _FakeChannel:
 
 def _fake_worker(pool: _transport.WorkerSlabPool, batch: Any) -> Any:
     """A worker's task handling, without the process and the socket."""
-    worker: Any = object.__new__(_worker_main._Worker)
-    worker.pool = pool
-    worker.config = SimpleNamespace(worker_id=0, slab_collate=True, dataset_kind=0)
+    step: Any = object.__new__(_worker_main.WorkerStep)
+    step.slabs = pool
+    step.config = SimpleNamespace(worker_id=0, slab_collate=True, dataset_kind=0)
+    step.iterable = False
+    step.init_error = None
+    step.fetch_error = None
+    step.iteration_end = False
+    step.fetcher = SimpleNamespace(fetch=lambda indices: _transport.slab_collate(batch))
+    worker: Any = object.__new__(_worker_main._ProcessWorker)
+    worker.slabs = pool
+    worker.step = step
     worker.channel = _FakeChannel()
-    worker.init_error = None
-    worker.iteration_end = False
-    worker.fetcher = SimpleNamespace(fetch=lambda indices: _transport.slab_collate(batch))
-    worker.task_started = 0.0
     return worker
 
 
@@ -990,9 +995,9 @@ def test_worker_falls_back_when_a_spill_cannot_get_a_slab(
     monkeypatch.setattr(_transport, "_create_memfd", _enospc)
     batch = torch.arange(1 << 15, dtype=torch.float64)  # 256 KiB: spills, and no slab for it
     worker = _fake_worker(pool, [])
-    worker._send_batch(0, 0, batch, arena)
+    worker._answer(Task(0, 0, []), Produced(batch, None, arena), 0.0)
     (message,) = worker.channel.sent
-    assert message[0] == "pickled"
+    assert isinstance(message.result, PickledBatch)
     # The arena's slab is free exactly once: two entries would hand it to two batches at once.
     assert pool.free.count(slab_id) == 1, f"free list {pool.free}"
 
@@ -1006,6 +1011,6 @@ def test_worker_falls_back_when_the_arena_cannot_get_a_slab(
     pool.expected = 1 << 20
     monkeypatch.setattr(_transport, "_create_memfd", _enospc)
     worker = _fake_worker(pool, samples)
-    worker._run_task(0, 0, [0, 1, 2, 3])
+    worker._run(Task(0, 0, [0, 1, 2, 3]))
     (message,) = worker.channel.sent
-    assert message[0] in ("pickled", "ok"), f"got {message[0]!r}: {message[3]}"
+    assert isinstance(message.result, (PickledBatch, SlabBatch)), f"got {message.result!r}"

@@ -1,0 +1,318 @@
+"""The engine alone: the orchestrator over a scripted fake backend, no processes.
+
+The fake answers each task after a scripted delay, can lose a worker when it is handed a given
+task (taking every task it held down with it), and can hang on a task. These tests cover the
+reorder buffer, ``in_order=False``, healing (a lost worker's tasks are sent again, exactly once)
+and the timeout directly; the process-backed suites cover the same paths end to end.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import pytest
+
+from aioload import DataLoaderTimeoutError, WorkerDiedError
+from aioload._fetch import PassPlan
+from aioload._messages import Answer, Batch, Event, Failed, StreamEnded, WorkerLost
+from aioload._orchestrator import END, Orchestrator, PassSetup
+from aioload._resume import PassProgress, numbered_batches
+from aioload._worker_main import RemoteError
+
+HANG = math.inf
+
+
+class FakeBackend:
+    """A scripted WorkerBackend. ``delay(task_id) -> seconds`` (HANG: never answers);
+    ``lose_on``: task ids whose first delivery kills the worker that gets it;
+    ``fail``: task ids answered with a worker error; ``ends``: worker -> task id from which
+    that worker's IterableDataset stream answers StreamEnded."""
+
+    def __init__(
+        self,
+        num_workers: int,
+        delay: Callable[[int], float] = lambda task_id: 0.0,
+        lose_on: set[int] | None = None,
+        fail: set[int] | None = None,
+        ends: dict[int, int] | None = None,
+    ) -> None:
+        self.num_workers = num_workers
+        self.retired = False
+        self.closed = False
+        self.delay = delay
+        self.lose_on = set(lose_on or ())
+        self.fail = set(fail or ())
+        self.ends = dict(ends or {})
+        # (ready at, worker, task id, indices), by worker incarnation.
+        self.pending: list[tuple[float, int, int, Any]] = []
+        self.lost: list[int] = []
+        self.submits: list[tuple[int, int]] = []
+        self.answered: list[int] = []
+        self.ended: list[int] = []
+        self.restarts: list[int] = []
+        self.abandoned: list[int] = []
+        self.started_passes = 0
+        self.max_outstanding = 0
+
+    # -- the seam --------------------------------------------------------------------------
+
+    def start_pass(self, plans: list[PassPlan]) -> None:
+        assert len(plans) == self.num_workers
+        self.started_passes += 1
+
+    def submit(self, worker_id: int, task_id: int, indices: Any) -> None:
+        assert not self.closed
+        self.submits.append((worker_id, task_id))
+        if task_id in self.lose_on:
+            self.lose_on.discard(task_id)
+            self._lose(worker_id)
+            return
+        if worker_id in self.lost:
+            return  # a dead worker answers nothing
+        self.pending.append((time.monotonic() + self.delay(task_id), worker_id, task_id, indices))
+        self.max_outstanding = max(self.max_outstanding, len(self.pending))
+
+    def _lose(self, worker_id: int) -> None:
+        self.lost.append(worker_id)
+        self.pending = [p for p in self.pending if p[1] != worker_id]
+
+    def poll(self) -> list[Event]:
+        now = time.monotonic()
+        events: list[Event] = []
+        ready = sorted(p for p in self.pending if p[0] <= now)
+        self.pending = [p for p in self.pending if p[0] > now]
+        for _, worker_id, task_id, indices in ready:
+            self.answered.append(task_id)
+            if task_id in self.fail:
+                events.append(Answer(worker_id, task_id, Failed(_remote_error(task_id))))
+            elif worker_id in self.ends and task_id >= self.ends[worker_id]:
+                self.ended.append(task_id)
+                events.append(Answer(worker_id, task_id, StreamEnded()))
+            else:
+                events.append(Answer(worker_id, task_id, Batch(list(indices)), busy_s=0.001))
+        for worker_id in self.lost:
+            message = f"DataLoader worker (fake {worker_id}) is killed by signal: Killed."
+            events.append(
+                WorkerLost(
+                    worker_id, WorkerDiedError(message, worker_id=worker_id, pid=None, exitcode=-9)
+                )
+            )
+        self.lost = [
+            w
+            for w in self.lost
+            if w not in {e.worker_id for e in events if isinstance(e, WorkerLost)}
+        ]
+        return events
+
+    async def wait(self, deadline: float, wake_fd: int | None = None) -> None:
+        soonest = min((p[0] for p in self.pending), default=math.inf)
+        until = min(soonest, deadline, time.monotonic() + 1.0)
+        await anyio.sleep(max(0.0, until - time.monotonic()))
+
+    def restart(self, worker_id: int) -> None:
+        self.restarts.append(worker_id)
+
+    def abandon(self, worker_id: int) -> None:
+        self.abandoned.append(worker_id)
+        self._lose(worker_id)
+
+    def retire(self) -> None:
+        self.retired = True
+
+    def describe(self, worker_id: int) -> str:
+        return f"fake {worker_id}"
+
+    def close(self) -> None:
+        self.closed = True
+        self.retired = True
+
+
+def _remote_error(task_id: int) -> RemoteError:
+    try:
+        raise KeyError(f"bad sample in task {task_id}")
+    except KeyError:
+        return RemoteError(0)
+
+
+def _engine(
+    backend: FakeBackend,
+    batches: list[list[int]],
+    *,
+    in_order: bool = True,
+    timeout: float = 0,
+    restarts: int = 0,
+    prefetch: int = 2,
+    iterable: bool = False,
+) -> Orchestrator:
+    progress = PassProgress(
+        epoch=0, rng={}, sample_seed=None, iterable=iterable, num_streams=backend.num_workers
+    )
+    setup = PassSetup(
+        batches=numbered_batches(iter(batches), None, 0),
+        num_workers=backend.num_workers,
+        prefetch=prefetch,
+        in_order=in_order,
+        timeout=timeout,
+        max_worker_restarts=restarts,
+        progress=progress,
+        plans=[PassPlan()] * backend.num_workers,
+        offload_start=False,
+        multiprocess=True,
+    )
+    return Orchestrator(lambda: backend, setup, owns_backend=True)
+
+
+def _drain(engine: Orchestrator) -> list[Any]:
+    async def consume() -> list[Any]:
+        got = []
+        while (batch := await engine.next()) is not END:
+            got.append(batch)
+        return got
+
+    return anyio.run(consume)
+
+
+BATCHES = [[2 * i, 2 * i + 1] for i in range(12)]
+
+
+def test_reorder_restores_sampler_order_whatever_the_answer_order() -> None:
+    # Later tasks answer first: the reorder buffer must hold them until their turn.
+    backend = FakeBackend(3, delay=lambda t: 0.002 * (12 - t))
+    engine = _engine(backend, BATCHES)
+    got = _drain(engine)
+    assert got == BATCHES
+    assert sorted(backend.answered) == list(range(12))
+    engine.close()  # as the front ends do at END
+    assert backend.closed, "a pass that owns its backend closes it"
+
+
+def test_prefetch_bounds_what_is_outstanding() -> None:
+    backend = FakeBackend(2, delay=lambda t: 0.001)
+    _drain(_engine(backend, BATCHES, prefetch=2))
+    assert 0 < backend.max_outstanding <= 2 * 2
+    # torch's round robin: task t goes to worker t % 2.
+    assert all(worker == task % 2 for worker, task in backend.submits)
+
+
+def test_in_order_false_yields_as_answers_arrive() -> None:
+    # Task 0 is slow: with in_order=False the others overtake it.
+    backend = FakeBackend(2, delay=lambda t: 0.2 if t == 0 else 0.0)
+    got = _drain(_engine(backend, BATCHES, in_order=False))
+    assert sorted(map(tuple, got)) == sorted(map(tuple, BATCHES))
+    assert got[0] != BATCHES[0]
+
+
+def test_a_lost_worker_is_replaced_and_its_tasks_sent_again_exactly_once() -> None:
+    # Worker 1 dies when handed task 5, taking task 3 (sent before, not yet answered) with it.
+    backend = FakeBackend(2, delay=lambda t: 0.01, lose_on={5})
+    engine = _engine(backend, BATCHES, restarts=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _drain(engine)
+    assert got == BATCHES, "every batch exactly once, in order"
+    assert backend.restarts == [1]
+    assert sorted(backend.answered) == list(range(12)), "no task answered twice"
+    resent = [task for worker, task in backend.submits if worker == 1]
+    assert resent.count(5) == 2  # the first copy died with the worker
+    assert engine.stats.workers[1].restarts == 1
+    assert any("replaced it with a new worker 1" in str(w.message) for w in caught)
+
+
+def test_a_lost_worker_without_restarts_ends_the_pass() -> None:
+    backend = FakeBackend(2, lose_on={3})
+    engine = _engine(backend, BATCHES)
+    with pytest.raises(WorkerDiedError, match=r"fake 1"):
+        _drain(engine)
+    assert backend.closed and backend.restarts == []
+    with pytest.raises(WorkerDiedError):
+        _drain(engine)  # the pass stays failed
+
+
+def test_timeout_names_the_worker_and_indices_and_retires_the_backend() -> None:
+    backend = FakeBackend(2, delay=lambda t: HANG if t == 4 else 0.0)
+    engine = _engine(backend, BATCHES, timeout=0.2)
+    got: list[Any] = []
+
+    async def consume() -> None:
+        while True:
+            got.append(await engine.next())
+
+    started = time.monotonic()
+    with pytest.raises(DataLoaderTimeoutError) as info:
+        anyio.run(consume)
+    assert time.monotonic() - started >= 0.2
+    assert got == BATCHES[:4]
+    assert str(info.value) == (
+        "DataLoader timed out after 0.2 seconds (waiting for batch 4 from DataLoader worker 0, "
+        "fake 0, holding indices [8, 9])"
+    )
+    assert backend.retired and backend.abandoned == []
+
+
+def test_timeout_with_restarts_abandons_the_hung_worker_and_goes_on() -> None:
+    hung = {4}
+
+    def delay(task_id: int) -> float:
+        if task_id in hung:
+            hung.discard(task_id)  # hangs once; the resent copy answers
+            return HANG
+        return 0.0
+
+    backend = FakeBackend(2, delay=delay)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = _drain(_engine(backend, BATCHES, timeout=0.2, restarts=1))
+    assert got == BATCHES
+    assert backend.abandoned == [0] and backend.restarts == [0]
+
+
+def test_a_worker_error_reaches_the_consumer_in_place_and_the_pass_goes_on() -> None:
+    backend = FakeBackend(2, fail={2})
+    engine = _engine(backend, BATCHES)
+
+    async def consume() -> list[Any]:
+        got: list[Any] = []
+        while True:
+            try:
+                batch = await engine.next()
+            except KeyError as exc:
+                got.append(("error", "bad sample in task 2" in str(exc)))
+                continue
+            if batch is END:
+                return got
+            got.append(batch)
+
+    got = anyio.run(consume)
+    assert got == [*BATCHES[:2], ("error", True), *BATCHES[3:]]
+    assert engine.progress.yielded.prefix == 12, "the failed batch counts as delivered"
+
+
+def test_a_stream_that_ends_stops_its_worker_only() -> None:
+    # IterableDataset: worker 0's stream runs dry from task 4 on, worker 1's never does.
+    backend = FakeBackend(2, ends={0: 4})
+    engine = _engine(backend, BATCHES, iterable=True)
+    got = _drain(engine)
+    # Tasks sent to worker 0 before its first "end" arrived end too; the rest go to worker 1.
+    assert backend.ended and min(backend.ended) == 4
+    assert all(task % 2 == 0 for task in backend.ended)
+    assert got == [b for t, b in enumerate(BATCHES) if t not in backend.ended]
+    assert engine.progress.streams[0].ended and not engine.progress.streams[1].ended
+
+
+def test_closing_mid_pass_closes_the_backend_once() -> None:
+    backend = FakeBackend(2, delay=lambda t: 0.0)
+    engine = _engine(backend, BATCHES)
+
+    async def two() -> list[Any]:
+        return [await engine.next(), await engine.next()]
+
+    assert anyio.run(two) == BATCHES[:2]
+    engine.close()
+    engine.close()
+    assert backend.closed
+    assert anyio.run(engine.next) is END
