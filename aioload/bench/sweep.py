@@ -28,6 +28,7 @@ from aioload.bench import report, startup
 from aioload.bench.runner import run_child
 
 LOADERS = ("floor", "torch", "aioload")
+_COLOURS = {"floor": "tab:gray", "torch": "tab:orange", "aioload": "tab:blue"}
 
 KB = 1024
 SAMPLE_BYTES = (1 * KB, 16 * KB, 128 * KB, 1024 * KB, 8 * 1024 * KB)
@@ -139,13 +140,14 @@ def write_png(path: Path, results: list[dict[str, Any]]) -> None:
         xs = [r["x"] for r in of]
         top, bottom = axes[0][col], axes[1][col]
         for loader in LOADERS:
-            top.plot(xs, [r[loader] for r in of], marker="o", label=loader)
+            top.plot(xs, [r[loader] for r in of], marker="o", label=loader, color=_COLOURS[loader])
         for loader in ("torch", "aioload"):
             bottom.plot(
                 xs,
                 [100 * r[loader] / r["floor"] if r["floor"] > 0 else math.nan for r in of],
                 marker="o",
                 label=loader,
+                color=_COLOURS[loader],
             )
         for ax in (top, bottom):
             ax.set_xscale("log", base=2)
