@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-stamp
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip -c constraints.txt
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,dev,bench,docs,examples]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,dev,bench,docs,examples,frameworks,ray]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -12,6 +12,7 @@ from .errors import DataLoaderTimeoutError, LoaderError, WorkerDiedError, Worker
 if TYPE_CHECKING:
     from ._async_fetch import AsyncIterableDataset
     from ._progress import Progress, progress
+    from ._ray_workers import RayWorkers
     from ._worker_main import WorkerInfo, get_worker_info
     from .loader import DataLoader
     from .stats import LoaderStats, WorkerStats
@@ -26,6 +27,7 @@ _LAZY: dict[str, str] = {
     "DataLoader": ".loader",
     "LoaderStats": ".stats",
     "Progress": "._progress",
+    "RayWorkers": "._ray_workers",
     "WorkerInfo": "._worker_main",
     "WorkerStats": ".stats",
     "get_worker_info": "._worker_main",
@@ -53,6 +55,7 @@ __all__ = [
     "LoaderError",
     "LoaderStats",
     "Progress",
+    "RayWorkers",
     "WorkerDiedError",
     "WorkerError",
     "WorkerInfo",

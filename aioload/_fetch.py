@@ -48,6 +48,9 @@ class PassPlan:
     # Which stream this is for seed_per_sample on an IterableDataset: the global worker id
     # (rank * num_workers + worker id).
     stream_id: int = 0
+    # An IterDataPipe's random pipes are seeded from this, the same in every worker (see
+    # _datapipes); None for any other dataset.
+    shared_seed: int | None = None
 
 
 _MASK64 = (1 << 64) - 1

@@ -15,6 +15,7 @@ torch, and datasets with per-worker random augmentation produce the same batches
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 import warnings
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, NoReturn
 
 import anyio
+import anyio.lowlevel
 
 from ._backend import WorkerBackend
 from ._fetch import PassPlan
@@ -237,7 +239,15 @@ class Orchestrator:
         return PENDING
 
     async def next(self) -> Any:
-        """The next batch, or END when the pass is over."""
+        """The next batch, or END when the pass is over.
+
+        A checkpoint, as in trio and anyio: it yields to the loop, and so honours a pending
+        cancellation, even when the batch is already here. A training step is mostly
+        synchronous; without this, a consumer that always finds a batch waiting would never
+        let the loop's other tasks (heartbeats, RPCs, deadlines) run. The checkpoint comes
+        before the batch is taken, so a cancellation delivered here loses no batch.
+        """
+        await _checkpoint()
         if self._over():
             return END
         self._busy = True
@@ -271,16 +281,25 @@ class Orchestrator:
             finally:
                 self._busy = False
 
+    def _make_owned_backend(self) -> WorkerBackend:
+        # The pass takes ownership in the thread that makes the pool, not after the await: a
+        # native asyncio Task.cancel() is not held off by anyio's shield, so the await can end
+        # while the thread goes on, and the pool it makes must still close with the pass.
+        backend = self._make_backend()
+        if self._owns_backend:
+            self.owned.backend = backend
+            if self._closed:
+                self.owned.close()
+        return backend
+
     async def _start(self) -> None:
         if self._setup.offload_start:
             with anyio.CancelScope(shield=True):
                 # Shielded: a pool half-made when a cancellation arrives would be orphaned.
-                backend = await anyio.to_thread.run_sync(self._make_backend)
+                backend = await anyio.to_thread.run_sync(self._make_owned_backend)
         else:
-            backend = self._make_backend()
+            backend = self._make_owned_backend()
         self._backend = backend
-        if self._owns_backend:
-            self.owned.backend = backend
         if self._setup.transfer is not None:
             self._stage = PinStage(self._setup.transfer, depth=self._setup.prefetch)
             self._stage.stats = self.stats
@@ -290,6 +309,9 @@ class Orchestrator:
             self._close_owned()
             return
         backend.start_pass(self._setup.plans)
+        if self._setup.multiprocess:
+            for worker_id in range(self._num_workers):
+                self.stats.where[worker_id] = backend.describe(worker_id)
 
     # -- dispatch ----------------------------------------------------------------------------
 
@@ -345,6 +367,7 @@ class Orchestrator:
         )
         self.stats.restarted(lost.worker_id)
         self._backend.restart(lost.worker_id)
+        self.stats.where[lost.worker_id] = self._backend.describe(lost.worker_id)
         for task_id in held:
             self._backend.submit(lost.worker_id, task_id, self._inflight[task_id].indices)
 
@@ -431,6 +454,14 @@ class Orchestrator:
         assert isinstance(outcome, Batch)
         value = outcome.value
         self._num_yielded += 1
+        # torch refills the prefetch window as it hands a batch over (``_process_data`` calls
+        # ``_try_put_index``), not at the next request. Doing the same keeps the number of
+        # tasks sent after k batches at prefetch + k, and with it which sampler draws happen
+        # before a ``break``: a later shuffled epoch then matches torch's order. (In the calling
+        # process torch draws a batch's indices only when it is asked for, so nothing is sent
+        # ahead there.)
+        if self._setup.multiprocess:
+            self._dispatch()
         self.stats.yielded(
             value,
             samples,
@@ -447,7 +478,9 @@ class Orchestrator:
             if self._setup.multiprocess:
                 warn_msg += (
                     "For multiprocessing data-loading, this could be caused by not properly "
-                    "configuring the IterableDataset replica at each worker."
+                    "configuring the IterableDataset replica at each worker. Please see "
+                    "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
+                    "for examples."
                 )
             warnings.warn(warn_msg, stacklevel=4)
         return value
@@ -505,11 +538,24 @@ class Orchestrator:
     async def aclose(self) -> None:
         """``close`` without blocking the event loop: stopping workers may wait (boundedly) for
         them to exit, so that wait runs in a thread. Shielded, so a cancelled caller still
-        leaves nothing behind."""
+        leaves nothing behind. A checkpoint even when already closed, as trio's are."""
         if self._closed:
+            await _checkpoint()
             return
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(self.close)
+
+
+async def _checkpoint() -> None:
+    """Yield to the running loop once, raising if the task has been cancelled. Under asyncio
+    (and uvloop) that is ``sleep(0)``, what anyio's own checkpoint does there, without its
+    backend lookup (about 4 us a call); under trio, anyio's checkpoint, which is trio's."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        await anyio.lowlevel.checkpoint()  # trio
+    else:
+        await asyncio.sleep(0)
 
 
 def _short(indices: Any, limit: int = 16) -> str:

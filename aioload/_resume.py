@@ -186,6 +186,8 @@ class PassStart:
     sample_seed: int | None
     progress: PassProgress
     plans: list[PassPlan]
+    # An IterDataPipe's shuffle seed for this pass, the same in every worker (see _datapipes).
+    shared_seed: int | None = None
 
 
 def begin_pass(
@@ -202,6 +204,8 @@ def begin_pass(
     iterable: bool,
     num_streams: int,
     rank: int,
+    draw_shared_seed: Callable[[], int] | None = None,
+    starts_workers: bool = False,
 ) -> PassStart:
     """Draw a pass's randomness, or replay a checkpointed pass's, and plan what it skips.
 
@@ -225,8 +229,19 @@ def begin_pass(
         if resume is not None:
             torch.set_rng_state(snapshot["torch"])
             set_generator_states(generators, snapshot["generators"])
+        # An IterDataPipe's shared seed is drawn where torch's iterator draws it: before the
+        # sampler when a new iterator starts, after it when persistent workers are reused,
+        # and once more after the base seed when workers start (torch's iterator resets
+        # itself once as it starts them). So a loader seeded like torch's draws alike.
+        shared_seed: int | None = None
+        if draw_shared_seed is not None and replay_draw:
+            shared_seed = draw_shared_seed()
         sampler_iter = iter(index_sampler)
+        if draw_shared_seed is not None and not replay_draw:
+            shared_seed = draw_shared_seed()
         base_seed = draw_base_seed() if replay_draw else None
+        if draw_shared_seed is not None and replay_draw and starts_workers:
+            draw_shared_seed()
         sampler_iter = _primed(sampler_iter)
         if base_seed is None and not reuse_workers:
             # Workers must start, but the replayed pass drew no seed (it had reused its
@@ -270,6 +285,7 @@ def begin_pass(
             dataset_state=point.state,
             ended=point.ended,
             stream_id=rank * num_streams + worker_id,
+            shared_seed=shared_seed,
         )
         for worker_id, point in enumerate(progress.streams)
     ]
@@ -280,6 +296,7 @@ def begin_pass(
         sample_seed=sample_seed,
         progress=progress,
         plans=plans,
+        shared_seed=shared_seed,
     )
 
 

@@ -43,6 +43,7 @@ from torch.utils.data._utils.worker import _generate_state
 from . import _transport
 from ._async_fetch import AsyncFetcher, StreamEnd, has_async_context, is_async_dataset
 from ._channel import ChannelClosed, WorkerChannel
+from ._datapipes import is_datapipe, reseed, shard_in_worker
 from ._fetch import Fetcher, PassPlan
 from ._messages import (
     Failure,
@@ -244,6 +245,11 @@ class WorkerStep:
                     world_size=config.world_size,
                 )
             )
+            if is_datapipe(self.dataset):
+                # As torch's workers do, before the user's worker_init_fn.
+                shard_in_worker(
+                    self.dataset, config.num_workers, wid, config.world_size, config.rank
+                )
             if init_fn is not None:
                 self.async_init = init_fn(wid)
                 if not inspect.isawaitable(self.async_init):
@@ -300,6 +306,9 @@ class WorkerStep:
         self.iteration_end = False
         self.fetcher = None
         try:
+            if plan.shared_seed is not None:
+                # Every worker's shuffle seeded alike, anew each pass (an IterDataPipe).
+                reseed(self.dataset, plan.shared_seed)
             self.fetcher = Fetcher(
                 self.config.dataset_kind,
                 self.dataset,

@@ -103,6 +103,29 @@ class WorkerSpec:
     worker_concurrency: int = 1
 
 
+def _payload(objects: tuple[Any, Any, Any], forking: bool) -> tuple[Any, Any, Any] | bytes:
+    """How ``(dataset, collate_fn, worker_init_fn)`` travel to each worker (in its
+    ``WorkerConfig``, which is part of ``Process(args=...)``).
+
+    - fork: the objects themselves. The workers inherit them; nothing is pickled.
+    - spawn and forkserver, fast path: pickled here once, and the same bytes go to every worker
+      (and to any replacement), rather than one pickle of the dataset per worker.
+    - spawn and forkserver, when that pickle fails: the objects themselves, so that each
+      ``Process.start()`` pickles them while it is spawning, as torch's loader does. That is
+      the only time multiprocessing lets a Lock, Event, Condition, Value or Queue of the
+      loader's context cross to a child ("... should only be shared between processes through
+      inheritance" otherwise), and it gives the error torch would give where nothing can
+      pickle them. ``start()`` still does not wait for a worker to come up, so the workers
+      start concurrently either way.
+    """
+    if forking:
+        return objects
+    try:
+        return pickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        return objects
+
+
 class _WorkerHandle:
     """The parent's handle on one worker process: its process, socket and slab mappings."""
 
@@ -170,12 +193,8 @@ class WorkerPool:
         spec = self.spec
         self._ctx = spec.multiprocessing_context or multiprocessing.get_context()
         self._forking = self._ctx.get_start_method() == "fork"
-        objects = (spec.dataset, spec.collate_fn, spec.worker_init_fn)
-        # Under spawn and forkserver the dataset is pickled here once and the same bytes go to
-        # every worker (and to any replacement); under fork the workers inherit it and nothing
-        # is pickled at all.
-        self._payload: tuple[Any, Any, Any] | bytes = (
-            objects if self._forking else pickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
+        self._payload = _payload(
+            (spec.dataset, spec.collate_fn, spec.worker_init_fn), forking=self._forking
         )
         try:
             for worker_id in range(self.num_workers):
@@ -266,8 +285,13 @@ class WorkerPool:
         self._flush()
 
     def submit(self, worker_id: int, task_id: int, indices: Any) -> None:
-        # Queued; written by the next poll() or wait(), so a burst of tasks is one write.
-        self.workers[worker_id].channel.queue(Task(task_id, self.generation, indices))
+        # Written at once (what does not fit waits for writability): the orchestrator refills
+        # the prefetch window as it hands a batch over, and the task must reach its worker
+        # while the consumer works on that batch, not at the consumer's next request.
+        worker = self.workers[worker_id]
+        worker.channel.queue(Task(task_id, self.generation, indices))
+        if not worker.channel.closed:
+            self._pump_out(worker)
 
     def _flush(self) -> None:
         """Return freed slabs to their workers and write what fits of every outbox."""

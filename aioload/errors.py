@@ -5,6 +5,12 @@ The messages that torch users grep for are kept word for word:
 ``DataLoader worker (pid N) exited unexpectedly with exit code N`` and
 ``DataLoader timed out after N seconds``. Each class subclasses RuntimeError, which is what torch
 raises in the same situations, so existing ``except RuntimeError`` handlers keep working.
+
+Like the builtins they subclass, every class can be built from its message alone
+(``type(e)(str(e))``), and pickles with its message and attributes: a parent test harness, Ray or
+a multiprocessing pool that re-raises an error in another process gets it whole. The extra
+attributes are therefore keyword arguments with defaults, and live in the instance ``__dict__``,
+which ``BaseException.__reduce__`` carries alongside ``args``.
 """
 
 from __future__ import annotations
@@ -36,9 +42,9 @@ class WorkerDiedError(LoaderError):
         self,
         message: str,
         *,
-        worker_id: int,
-        pid: int | None,
-        exitcode: int | None,
+        worker_id: int | None = None,
+        pid: int | None = None,
+        exitcode: int | None = None,
     ) -> None:
         super().__init__(message)
         self.worker_id = worker_id
@@ -49,6 +55,6 @@ class WorkerDiedError(LoaderError):
 class DataLoaderTimeoutError(LoaderError):
     """No batch arrived within the loader's ``timeout``."""
 
-    def __init__(self, message: str, *, timeout: float) -> None:
+    def __init__(self, message: str, *, timeout: float | None = None) -> None:
         super().__init__(message)
         self.timeout = timeout

@@ -17,8 +17,10 @@ from torch.utils.data._utils.collate import default_collate
 from . import _lazy, _sync
 from ._async_fetch import is_async_dataset
 from ._backend import BackendKeeper, WorkerBackend
+from ._datapipes import SharedSeeds, is_datapipe, is_iter_datapipe, reseed, shard_in_process
 from ._orchestrator import END, PENDING, Orchestrator, PassSetup
 from ._pinning import Transfer, make_transfer
+from ._ray_workers import RayWorkers
 from ._resume import (
     FORMAT,
     PassProgress,
@@ -76,12 +78,17 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         shard: str = "auto",
         progress: bool = False,
         worker_concurrency: int = 1,
+        workers: RayWorkers | None = None,
     ) -> None:
         if shard not in ("auto", "none"):
             raise ValueError(f"shard option should be 'auto' or 'none', but got shard={shard!r}")
-        # Under torch.distributed, the default sampler becomes this rank's shard. It has to be
-        # decided before torch's __init__, which builds the sampler and then forbids changing
-        # it. A sampler the user passes is theirs, and left alone.
+        # Under torch.distributed, each rank iterates its own shard of the default sampler. The
+        # shard is private and applies at iteration time only: the public ``sampler`` and
+        # ``batch_sampler`` describe the whole dataset, as torch's do, because frameworks read
+        # them to shard the data themselves (accelerate's prepare() wraps ``batch_sampler``;
+        # Lightning builds a DistributedSampler of ``dataset``). A sampler the user passes (such
+        # as a framework's DistributedSampler) is theirs, and left alone: no second shard.
+        # The rank is read here, where the shuffle seed is agreed (a collective).
         self._rank, self._world_size = _distributed_rank()
         shard_sampler: DistributedSampler[Any] | None = None
         if (
@@ -99,7 +106,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 seed=_shared_shuffle_seed(generator) if shuffle else 0,
                 drop_last=drop_last,
             )
-            sampler, shuffle = shard_sampler, None
         # torch validates every argument, with its own messages, and builds the samplers.
         super().__init__(
             dataset,
@@ -134,12 +140,31 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 "worker would start its iterator over, so samples would repeat"
             )
         self.max_worker_restarts = max_worker_restarts
+        if workers is not None and not isinstance(workers, RayWorkers):
+            raise TypeError(
+                f"workers option should be None (local processes) or aioload.RayWorkers, but "
+                f"got workers={workers!r}"
+            )
+        # None: local worker processes; RayWorkers: the num_workers workers as Ray actors.
+        self.workers = workers
         self.worker_concurrency = _check_worker_concurrency(
             worker_concurrency, self.dataset, self._dataset_kind, worker_init_fn
         )
         self.seed_per_sample = bool(seed_per_sample)
+        # Every argument reads back under its own name (Lightning rebuilds a DataLoader subclass
+        # from its __init__ signature and these attributes); torch keeps all but these.
+        self.shuffle = shuffle
         self.shard = shard
         self._shard_sampler = shard_sampler
+        # This rank's batches (or indices, without automatic batching), in the shape torch's
+        # _index_sampler has.
+        self._shard_index_sampler: Iterable[Any] | None = None
+        if shard_sampler is not None:
+            self._shard_index_sampler = (
+                shard_sampler
+                if self.batch_size is None
+                else torch.utils.data.BatchSampler(shard_sampler, self.batch_size, self.drop_last)
+            )
         # Every pass draws a tqdm bar (batches/s, live data-bound %); see aioload.progress.
         self.progress = progress
         # Which workers a pass runs on: fresh ones, or (persistent_workers) those kept.
@@ -156,6 +181,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         self._latest_pass: PassProgress | None = None
         self._pending_resume: PassProgress | None = None
         self._pending_in_progress = False
+        # An IterDataPipe's per-pass shuffle seed, shared by the workers (and the ranks).
+        self._shared_seeds = SharedSeeds()
         # What the first pass runs here, imported now rather than inside its clock (_lazy).
         _lazy.warm(self.num_workers)
 
@@ -296,6 +323,18 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             "generators": generator_states(self._generators()),
         }
 
+    @property
+    def _index_sampler(self) -> Any:
+        """What a pass draws its indices from: this rank's shard under ``shard="auto"``, else
+        torch's choice (``batch_sampler``, or ``sampler`` without automatic batching). So
+        ``len(loader)`` counts the batches this rank yields, as with torch's DataLoader over
+        a DistributedSampler, while ``len(loader.batch_sampler)`` counts the whole dataset's."""
+        # (Read with a default: torch's __init__ runs before this loader's own attributes exist.)
+        shard_index_sampler = getattr(self, "_shard_index_sampler", None)
+        if shard_index_sampler is not None:
+            return shard_index_sampler
+        return super()._index_sampler
+
     # -- the two doors -----------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
@@ -325,7 +364,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             drop_last=self.drop_last,
             worker_init_fn=self.worker_init_fn,
             num_workers=self.num_workers,
-            prefetch_factor=self.prefetch_factor or 1,
+            prefetch_factor=self._prefetch_depth(),
             multiprocessing_context=self.multiprocessing_context,
             # Stack straight into the shared-memory slab when the collate is torch's default.
             slab_collate=self.collate_fn is default_collate,
@@ -333,6 +372,20 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             world_size=self._world_size,
             worker_concurrency=self.worker_concurrency,
         )
+
+    def _draw_shared_seed(self) -> int:
+        return self._shared_seeds.draw(self.generator)
+
+    def _prefetch_depth(self) -> int:
+        """Batches in flight per worker for the next pass. Read at each pass, as torch does:
+        ``num_workers`` may be changed after construction (it is not a locked attribute), and
+        then ``prefetch_factor`` is stale. Torch ignores it without workers (one batch at a
+        time in the calling process) and uses it as is with them; ``None`` there (a loader
+        built with ``num_workers=0``) makes torch's iterator fail with a TypeError, where we
+        take 1 rather than fail."""
+        if self.num_workers == 0:
+            return 1
+        return self.prefetch_factor or 1
 
     def _draw_base_seed(self) -> int:
         # Exactly torch's draw, at the same point (after iter(sampler), before any sampling),
@@ -396,9 +449,16 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             iterable=self._dataset_kind == 1,
             num_streams=max(1, self.num_workers),
             rank=self._rank,
+            draw_shared_seed=(self._draw_shared_seed if is_iter_datapipe(self.dataset) else None),
+            starts_workers=self.num_workers > 0,
         )
         self._sample_seed = start.sample_seed
         self._latest_pass = start.progress
+        if start.shared_seed is not None:
+            # The calling process's copy too, as torch seeds it (what num_workers=0 reads).
+            reseed(self.dataset, start.shared_seed)
+        if self.num_workers == 0 and is_datapipe(self.dataset):
+            shard_in_process(self.dataset, self._world_size, self._rank)
 
         spec = self._spec()
         make_backend: Callable[[], WorkerBackend]
@@ -414,8 +474,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 return InlineBackend(spec, offload=offload_inline)
 
         else:
+            ray_workers = self.workers
 
             def make_pool(base_seed: int) -> WorkerBackend:
+                if ray_workers is not None:
+                    from ._ray import RayBackend  # imports Ray: only when a pass needs it
+
+                    return RayBackend(spec, base_seed, ray_workers)
                 return WorkerPool(spec, base_seed)
 
             make_backend, owns = self._workers.for_pass(make_pool, start.base_seed)
@@ -423,7 +488,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         setup = PassSetup(
             batches=start.batches,
             num_workers=max(1, self.num_workers),
-            prefetch=self.prefetch_factor or 1,
+            prefetch=self._prefetch_depth(),
             in_order=self.in_order,
             timeout=self.timeout,
             max_worker_restarts=self.max_worker_restarts,
@@ -579,19 +644,35 @@ class _AsyncIterator:
         return self
 
     async def __anext__(self) -> Any:
-        stats = self._engine.stats
+        engine = self._engine
+        stats = engine.stats
         entered = stats.enter()
         try:
-            batch = await self._engine.next()
+            # A checkpoint every time (see Orchestrator.next): other tasks run, and a
+            # cancellation is honoured, even when the batch is already here.
+            batch = await engine.next()
+        except BaseException as exc:
+            if not isinstance(exc, Exception | GeneratorExit) and not engine.closed:
+                # A cancellation (or KeyboardInterrupt, SystemExit) ends the pass wherever it
+                # lands: at the checkpoint, while waiting for workers, or in the loop body,
+                # from which it reaches us at the next __anext__. ``async for`` does not call
+                # aclose() when it is left by an exception, and the iterator may outlive the
+                # loop (in a traceback, or a name); so its workers are stopped here, off the
+                # loop and shielded. A plain dataset error is not this: the pass goes on, as
+                # in torch. (GeneratorExit means this coroutine is being closed, and it may not
+                # await; the iterator's __del__ stops the pass then.)
+                await engine.aclose()
+            raise
         finally:
             stats.leave(entered)
         if batch is END:
-            await self._engine.aclose()
+            await engine.aclose()
             raise StopAsyncIteration
         return batch
 
     async def aclose(self) -> None:
-        """Stop this pass's workers without blocking the loop."""
+        """Stop this pass's workers without blocking the loop. A checkpoint, like every
+        ``aclose``: it yields to the loop even when there is nothing left to stop."""
         await self._engine.aclose()
 
     async def __aenter__(self) -> _AsyncIterator:

@@ -44,6 +44,9 @@ class WorkerStats:
     fetch_p90_s: float | None
     fetch_p99_s: float | None
     restarts: int
+    # Where the worker runs, as error messages name it: "pid 1234" for a local process, the
+    # actor and its node for a Ray worker (None in the calling process).
+    where: str | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,7 @@ class PassStats:
         # each item is one sample whatever its key is.
         self._auto_collation = auto_collation
         self.workers = [_WorkerCounter() for _ in range(num_workers)]
+        self.where: list[str | None] = [None] * num_workers
         self._reservoir_rng = random.Random(0)  # never the user's global RNG
         self.started: float | None = None
         self.last_return: float | None = None
@@ -230,6 +234,7 @@ class PassStats:
                     fetch_p90_s=_percentile(times, 90),
                     fetch_p99_s=_percentile(times, 99),
                     restarts=counter.restarts,
+                    where=self.where[worker_id],
                 )
             )
         batches = self.batches

@@ -220,6 +220,7 @@ def test_a_lost_worker_is_replaced_and_its_tasks_sent_again_exactly_once() -> No
     resent = [task for worker, task in backend.submits if worker == 1]
     assert resent.count(5) == 2  # the first copy died with the worker
     assert engine.stats.workers[1].restarts == 1
+    assert engine.stats.snapshot().workers[1].where == "fake 1"
     assert any("replaced it with a new worker 1" in str(w.message) for w in caught)
 
 

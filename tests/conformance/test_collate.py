@@ -1,0 +1,165 @@
+"""collate_fn (default_collate, default_convert, user functions) and pin_memory."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from .conftest import Reference, batches, outcome, plain
+from .datasets import Indices, Mixed, Points, Tensors, collate_as_sum, collate_custom_pin
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_default_collate_of_every_sample_type(
+    num_workers: int, loader_cls: type[Any], reference: Reference, request: pytest.FixtureRequest
+) -> None:
+    """Tensors, numpy arrays and scalars, Python numbers, bools, strings, bytes, lists, dicts
+    and namedtuples, nested: the same types, dtypes, shapes and values."""
+    if num_workers:  # leak checks cost ~0.5 s; only workers can leak
+        request.getfixturevalue("no_leaks")
+
+    def scenario(cls: type[Any]) -> list[Any]:
+        return batches(cls(Mixed(), batch_size=3, num_workers=num_workers))
+
+    got = reference.run(scenario)
+    assert got == reference(scenario)
+    first = got[0][1]
+    assert first["nested"][1]["point"][0] == "Point"  # the namedtuple type is kept
+    assert first["str"] == ("list", [("str", "s0"), ("str", "s1"), ("str", "s2")])
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_default_convert_without_batching(
+    num_workers: int, loader_cls: type[Any], reference: Reference, request: pytest.FixtureRequest
+) -> None:
+    """batch_size=None: default_convert turns numpy arrays into tensors and keeps the rest."""
+    if num_workers:  # leak checks cost ~0.5 s; only workers can leak
+        request.getfixturevalue("no_leaks")
+
+    def scenario(cls: type[Any]) -> list[Any]:
+        return batches(cls(Mixed(), batch_size=None, num_workers=num_workers))
+
+    got = reference.run(scenario)
+    assert got == reference(scenario)
+    assert got[0][1]["array"][0] == "Tensor"
+    assert got[0][1]["list"][0] == "list"
+
+
+def test_namedtuple_and_tensor_dataset(
+    loader_cls: type[Any], reference: Reference, no_leaks: None
+) -> None:
+    def scenario(cls: type[Any]) -> list[Any]:
+        tensors = TensorDataset(torch.arange(10.0).view(5, 2), torch.arange(5))
+        return [
+            batches(cls(Points(), batch_size=4, num_workers=1)),
+            batches(cls(tensors, batch_size=2, num_workers=1)),
+        ]
+
+    got = reference.run(scenario)
+    assert got == reference(scenario)
+    assert got[0][0][0] == "Point"
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_custom_collate_fn(
+    num_workers: int, loader_cls: type[Any], reference: Reference, request: pytest.FixtureRequest
+) -> None:
+    """A collate_fn that returns a dict of Python values, and one that returns a plain list
+    (``collate_fn=list``), as torch returns them."""
+    if num_workers:  # leak checks cost ~0.5 s; only workers can leak
+        request.getfixturevalue("no_leaks")
+
+    def scenario(cls: type[Any]) -> list[Any]:
+        return [
+            batches(cls(Indices(7), batch_size=3, num_workers=num_workers, collate_fn=collate)),
+        ][0]
+
+    for collate in (collate_as_sum, list):
+        got = reference.run(scenario)
+        assert got == reference(scenario, label=getattr(collate, "__name__", "list"))
+        assert got[0][0] in ("dict", "list")
+
+
+def test_collate_fn_with_batch_size_none(loader_cls: type[Any], reference: Reference) -> None:
+    """Without batching, collate_fn gets one sample at a time."""
+
+    def scenario(cls: type[Any]) -> list[Any]:
+        return batches(cls(Indices(4), batch_size=None, collate_fn=lambda x: [x, x]))
+
+    got = reference.run(scenario)
+    assert got == reference(scenario)
+    assert got[1] == ("list", [("int", 1), ("int", 1)])
+
+
+def test_batches_can_be_kept_and_modified(loader_cls: type[Any], no_leaks: None) -> None:
+    """Batches the consumer keeps stay intact while later batches arrive, and writing to one
+    changes no other (torch hands out a fresh tensor per batch)."""
+    loader = loader_cls(Tensors(40, size=16), batch_size=4, num_workers=2)
+    kept = list(loader)
+    kept[0].add_(1000)
+    assert kept[0][0, 0].item() == 1000.0
+    assert [b[:, 0].tolist() for b in kept[1:3]] == [[4.0, 5.0, 6.0, 7.0], [8.0, 9.0, 10.0, 11.0]]
+    assert kept[-1][:, 0].tolist() == [36.0, 37.0, 38.0, 39.0]
+
+
+def test_batch_tensors_report_is_shared(
+    loader_cls: type[Any], is_aioload: bool, no_leaks: None
+) -> None:
+    """DEVIATION (is-shared): torch's worker batches are in shared memory and say
+    ``is_shared() == True``; aioload's are views of a reused memfd slab, which torch does not
+    count as shared: ``False``."""
+    batch = next(iter(loader_cls(Tensors(4), batch_size=2, num_workers=1)))
+    assert batch.is_shared() is (not is_aioload)
+
+
+# -- pin_memory ------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="checks the no-accelerator path")
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_pin_memory_without_an_accelerator(
+    num_workers: int, loader_cls: type[Any], reference: Reference, request: pytest.FixtureRequest
+) -> None:
+    """torch's warning, once per pass, and plain (unpinned) batches; a batch type's own
+    pin_memory() is not called."""
+    if num_workers:  # leak checks cost ~0.5 s; only workers can leak
+        request.getfixturevalue("no_leaks")
+
+    def scenario(cls: type[Any]) -> dict[str, Any]:
+        plain_loader = cls(Indices(6), batch_size=2, num_workers=num_workers, pin_memory=True)
+        run = outcome(lambda: list(plain_loader))
+        custom_loader = cls(
+            Indices(4),
+            batch_size=2,
+            num_workers=num_workers,
+            pin_memory=True,
+            collate_fn=collate_custom_pin,
+        )
+        custom = outcome(lambda: list(custom_loader))
+        return {
+            "batches": [plain(b) for b in run.value],
+            "pinned": [b.is_pinned() for b in run.value],
+            "warnings": run.warnings,
+            "custom_types": [type(b).__name__ for b in custom.value],
+            "custom_pinned": [b.pinned for b in custom.value],
+            "custom_data": [b.data.tolist() for b in custom.value],
+        }
+
+    got = reference.run(scenario)
+    assert got == reference(scenario)
+    assert got["warnings"] and "no accelerator is found" in got["warnings"][0]
+    assert got["pinned"] == [False] * 3
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="checks the no-accelerator path")
+def test_pin_memory_device_is_deprecated(loader_cls: type[Any], reference: Reference) -> None:
+    def scenario(cls: type[Any]) -> list[str]:
+        loader = cls(Indices(2), pin_memory=True, pin_memory_device="cuda")
+        return outcome(lambda: list(loader)).warnings
+
+    got = reference.run(scenario)
+    assert got == reference(scenario)
+    assert any("pin_memory_device is deprecated" in text for text in got)

@@ -1,0 +1,236 @@
+"""Worker processes: get_worker_info(), seeds, worker_init_fn, persistent workers and start
+methods, as torch gives them."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from .conftest import Reference, outcome
+from .datasets import HoldsEvent, Versioned, WorkerReport, mark_worker
+
+# What a sample reports that must match torch's exactly (pids differ from run to run).
+COMPARABLE = (
+    "index",
+    "worker_id",
+    "num_workers",
+    "seed",
+    "initial_seed",
+    "dataset_type",
+    "dataset_is_self",
+    "torch",
+    "random",
+    "numpy",
+    "init_mark",
+)
+
+
+def _samples(loader: Any) -> list[dict[str, Any]]:
+    """Every sample of one pass (batch_size=None keeps them unbatched)."""
+    return [{key: sample[key] for key in (*COMPARABLE, "pid")} for sample in loader]
+
+
+def _comparable(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{key: sample[key] for key in COMPARABLE} for sample in samples]
+
+
+def _report_loader(cls: type[Any], **kwargs: Any) -> Any:
+    kwargs.setdefault("generator", torch.Generator().manual_seed(99))
+    return cls(WorkerReport(8), batch_size=None, num_workers=2, **kwargs)
+
+
+def test_worker_info_seeds_and_draws(
+    loader_cls: type[Any], reference: Reference, no_leaks: None
+) -> None:
+    """For the same generator seed: which worker fetches which index, each worker's id,
+    num_workers, seed (base_seed + id) and dataset copy, and its torch, random and numpy draws
+    are torch's."""
+
+    def scenario(cls: type[Any]) -> list[dict[str, Any]]:
+        return _samples(_report_loader(cls))
+
+    got = reference.run(scenario)
+    expected = reference(scenario)
+    assert _comparable(got) == _comparable(expected)
+    # What users rely on, whatever the loader:
+    assert {s["worker_id"] for s in got} == {0, 1}
+    assert all(s["num_workers"] == 2 and s["dataset_is_self"] for s in got)
+    assert all(s["dataset_type"] == "WorkerReport" for s in got)
+    seeds = {s["worker_id"]: s["seed"] for s in got}
+    assert seeds[1] == seeds[0] + 1  # base_seed + worker_id
+    assert all(s["initial_seed"] == s["seed"] for s in got)  # torch is seeded with it
+    assert len({s["pid"] for s in got}) == 2 and os.getpid() not in {s["pid"] for s in got}
+
+
+def test_same_seed_same_draws_new_seed_new_draws(
+    loader_cls: type[Any], reference: Reference, no_leaks: None
+) -> None:
+    """Workers' random draws are reproducible for one generator seed and change with it."""
+
+    def scenario(cls: type[Any]) -> list[Any]:
+        runs = [
+            _samples(_report_loader(cls, generator=torch.Generator().manual_seed(seed)))
+            for seed in (5, 5, 6)
+        ]
+        return [_comparable(run) for run in runs]
+
+    got = reference.run(scenario)
+    assert got == reference(scenario)
+    assert got[0] == got[1]
+    assert [s["torch"] for s in got[0]] != [s["torch"] for s in got[2]]
+
+
+def test_global_seed_drives_worker_seeds(
+    loader_cls: type[Any], reference: Reference, no_leaks: None
+) -> None:
+    """Without a generator, the base seed is drawn from torch's global RNG, as in torch."""
+
+    def scenario(cls: type[Any]) -> list[dict[str, Any]]:
+        torch.manual_seed(31337)
+        return _comparable(_samples(_report_loader(cls, generator=None)))
+
+    got = reference.run(scenario)
+    assert got == reference(scenario)
+    seeds = {s["worker_id"]: s["seed"] for s in got}
+    assert seeds[1] == seeds[0] + 1
+
+
+def test_worker_init_fn_runs_in_each_worker_after_seeding(
+    loader_cls: type[Any], reference: Reference, no_leaks: None
+) -> None:
+    def scenario(cls: type[Any]) -> list[dict[str, Any]]:
+        return _comparable(_samples(_report_loader(cls, worker_init_fn=mark_worker)))
+
+    got = reference.run(scenario)
+    assert got == reference(scenario)
+    assert {s["init_mark"] for s in got} == {"init-0-of-2", "init-1-of-2"}
+
+
+def test_get_worker_info_is_none_in_the_calling_process(loader_cls: type[Any]) -> None:
+    loader = loader_cls(WorkerReport(3), batch_size=None, num_workers=0)
+    samples = list(loader)
+    assert [s["worker_id"] for s in samples] == [-1, -1, -1]
+    assert all(s["pid"] == os.getpid() for s in samples)
+    assert torch.utils.data.get_worker_info() is None
+
+
+def test_persistent_workers_across_epochs(
+    loader_cls: type[Any], reference: Reference, no_leaks: None
+) -> None:
+    """Persistent workers keep their processes and RNG state from epoch to epoch (the draws go
+    on, they do not repeat), and the shuffle moves on, as in torch."""
+
+    def scenario(cls: type[Any]) -> dict[str, Any]:
+        loader = cls(
+            WorkerReport(8),
+            batch_size=2,
+            shuffle=True,
+            num_workers=2,
+            persistent_workers=True,
+            generator=torch.Generator().manual_seed(3),
+        )
+        epochs = []
+        pids = []
+        for _ in range(3):
+            batches = list(loader)
+            epochs.append(
+                [[b[key].tolist() for key in ("index", "torch", "seed")] for b in batches]
+            )
+            pids.append(sorted({pid for b in batches for pid in b["pid"].tolist()}))
+        del loader
+        return {"epochs": epochs, "same_pids": pids[0] == pids[1] == pids[2]}
+
+    got = reference.run(scenario)
+    assert got == reference(scenario)
+    assert got["same_pids"]
+    assert got["epochs"][0] != got["epochs"][1] != got["epochs"][2]
+
+
+def test_fork_by_name_and_by_context(
+    loader_cls: type[Any], reference: Reference, no_leaks: None
+) -> None:
+    """``multiprocessing_context`` as a start method's name or as a context object."""
+
+    def scenario(cls: type[Any]) -> list[Any]:
+        by_name = _report_loader(cls, multiprocessing_context="fork", worker_init_fn=mark_worker)
+        by_object = _report_loader(cls, multiprocessing_context=multiprocessing.get_context("fork"))
+        return [_comparable(_samples(by_name)), _comparable(_samples(by_object))]
+
+    got = reference.run(scenario)
+    assert got == reference(scenario)
+    assert {s["init_mark"] for s in got[0]} == {"init-0-of-2", "init-1-of-2"}
+
+
+# A spawned worker imports torch afresh (about 1 s on an idle machine, far more under load):
+# one worker, one pass per start method; spawn by name, forkserver as a context object.
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_spawn_and_forkserver(
+    method: str, loader_cls: type[Any], reference: Reference, stop_mp_helpers: None
+) -> None:
+    """The dataset, worker_init_fn and seeds reach a worker started by spawn or forkserver as
+    they do under torch."""
+
+    def scenario(cls: type[Any]) -> list[dict[str, Any]]:
+        context: Any = method if method == "spawn" else multiprocessing.get_context(method)
+        loader = cls(
+            WorkerReport(3),
+            batch_size=None,
+            num_workers=1,
+            multiprocessing_context=context,
+            worker_init_fn=mark_worker,
+            generator=torch.Generator().manual_seed(99),
+        )
+        return _comparable(_samples(loader))
+
+    got = reference.run(scenario)
+    assert got == reference(scenario)
+    assert {s["init_mark"] for s in got} == {"init-0-of-1"}
+
+
+def test_dataset_holding_a_multiprocessing_event_under_spawn(
+    loader_cls: type[Any],
+    reference: Reference,
+    request: pytest.FixtureRequest,
+    stop_mp_helpers: None,
+) -> None:
+    """A dataset may hold objects of the loader's multiprocessing context (an Event here):
+    torch hands the dataset to Process(args=...), where inheritance is allowed."""
+
+    def scenario(cls: type[Any]) -> Any:
+        context = multiprocessing.get_context("spawn")
+        event = context.Event()
+        event.set()
+        loader = cls(
+            HoldsEvent(event), batch_size=None, num_workers=1, multiprocessing_context=context
+        )
+        return outcome(lambda: list(loader))
+
+    got = reference.run(scenario)
+    expected = reference(scenario)
+    assert expected.raised is None and expected.value == [True, True]
+    assert got.raised is None, got.raised
+    assert got.value == expected.value
+
+
+@pytest.mark.parametrize("persistent_workers", [False, True])
+def test_changes_to_the_dataset_between_epochs(
+    persistent_workers: bool, loader_cls: type[Any], reference: Reference, no_leaks: None
+) -> None:
+    """Workers fetch from the copy they were started with: a change the main process makes
+    between epochs reaches new workers, and not persistent ones (torch's rule)."""
+
+    def scenario(cls: type[Any]) -> list[list[int]]:
+        dataset = Versioned()
+        loader = cls(dataset, batch_size=2, num_workers=1, persistent_workers=persistent_workers)
+        first = [b.tolist() for b in loader]
+        dataset.version = 1
+        return [first, [b.tolist() for b in loader]]
+
+    got = reference.run(scenario)
+    assert got == reference(scenario)
+    assert got[0] == [[0, 0], [0, 0]]
+    assert got[1] == ([[0, 0], [0, 0]] if persistent_workers else [[1, 1], [1, 1]])

@@ -1,0 +1,37 @@
+"""RayWorkers without a cluster: the optional extra, and that ``import aioload`` needs no Ray."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+import aioload
+from aioload import _ray_workers
+
+
+def test_import_aioload_does_not_import_ray() -> None:
+    code = "import sys, aioload; aioload.RayWorkers; print('ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_ray_workers_without_ray_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+
+    def find_spec(name: str, *args: object) -> object:
+        return None if name == "ray" else real(name, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_ray_workers.importlib.util, "find_spec", find_spec)
+    with pytest.raises(ImportError, match=r"pip install 'aioload\[ray\]'"):
+        aioload.RayWorkers()
+
+
+def test_workers_argument_is_checked() -> None:
+    with pytest.raises(TypeError, match="workers option should be None"):
+        aioload.DataLoader(range(4), workers="ray")  # type: ignore[arg-type]
+    options = aioload.RayWorkers(num_cpus=2)
+    loader = aioload.DataLoader(range(4), num_workers=2, workers=options)
+    assert loader.workers is options
