@@ -7,7 +7,13 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import default_collate, default_convert
 
-from .errors import DataLoaderTimeoutError, LoaderError, WorkerDiedError, WorkerError
+from .errors import (
+    DataLoaderTimeoutError,
+    LoaderError,
+    TooManySampleErrors,
+    WorkerDiedError,
+    WorkerError,
+)
 
 if TYPE_CHECKING:
     from ._async_fetch import AsyncIterableDataset
@@ -15,7 +21,7 @@ if TYPE_CHECKING:
     from ._ray_workers import RayWorkers
     from ._worker_main import WorkerInfo, get_worker_info
     from .loader import DataLoader
-    from .stats import LoaderStats, WorkerStats
+    from .stats import LoaderStats, SkippedSample, WorkerStats
 
 # The public names below are imported on first use (PEP 562), not by `import aioload`: the
 # engine, anyio, uvloop and the worker-side code cost tens of ms to import, and a script that
@@ -26,6 +32,7 @@ _LAZY: dict[str, str] = {
     "AsyncIterableDataset": "._async_fetch",
     "DataLoader": ".loader",
     "LoaderStats": ".stats",
+    "SkippedSample": ".stats",
     "Progress": "._progress",
     "RayWorkers": "._ray_workers",
     "WorkerInfo": "._worker_main",
@@ -56,6 +63,8 @@ __all__ = [
     "LoaderStats",
     "Progress",
     "RayWorkers",
+    "SkippedSample",
+    "TooManySampleErrors",
     "WorkerDiedError",
     "WorkerError",
     "WorkerInfo",

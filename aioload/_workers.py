@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 
 from ._channel import ChannelClosed, ParentChannel
-from ._fetch import PassPlan
+from ._fetch import PassPlan, SamplePolicy
 from ._messages import (
     Answer,
     Batch,
@@ -101,6 +101,7 @@ class WorkerSpec:
     rank: int = 0
     world_size: int = 1
     worker_concurrency: int = 1
+    sample_policy: SamplePolicy | None = None
 
 
 def _payload(objects: tuple[Any, Any, Any], forking: bool) -> tuple[Any, Any, Any] | bytes:
@@ -228,6 +229,7 @@ class WorkerPool:
             rank=spec.rank,
             world_size=spec.world_size,
             worker_concurrency=spec.worker_concurrency,
+            sample_policy=spec.sample_policy,
         )
         process = self._ctx.Process(
             target=worker_main,
