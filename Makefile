@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint docs bench bench-gpu test-gpu soak unit clean
+.PHONY: install run test lint docs bench bench-sweep bench-gpu test-gpu soak unit clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,9 +35,16 @@ unit: install
 
 test: lint docs unit
 
+# aioload vs torch, the peers (torchdata.nodes, SPDL) and each workload's no-loader floor, with
+# issue 17's targets as PASS/FAIL; writes docs/benchmarks.{md,json,png}. About 15 minutes.
 bench: install
 	$(PY) -m aioload.bench
 	$(PY) -m aioload.bench.seeding --json docs/seeding.json
+
+# How the cost grows with sample size, batch size and num_workers; writes the sweep section of
+# docs/benchmarks.md and docs/benchmarks-sweep.{json,png}. About 5 minutes.
+bench-sweep: install
+	$(PY) -m aioload.bench.sweep
 
 # Not part of `make test`: 1,000 loaders with random breaks and worker kills; counts must be flat.
 soak: install

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, NoReturn
 
 import anyio
-import anyio._backends._asyncio
 import anyio.lowlevel
 
 from ._backend import WorkerBackend

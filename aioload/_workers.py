@@ -45,7 +45,6 @@ from ._messages import (
     WorkerLost,
 )
 from ._transport import SlabMappings
-from ._worker_main import WorkerConfig, worker_main
 from .errors import WorkerDiedError
 
 __all__ = ["WorkerPool", "WorkerSpec"]
@@ -206,6 +205,10 @@ class WorkerPool:
             raise
 
     def _spawn(self, worker_id: int) -> _WorkerHandle:
+        # The worker-side code is imported on the first spawn, not with the package: the
+        # parent never runs it, a fork only needs it in memory, and `import aioload` stays cheap.
+        from ._worker_main import WorkerConfig, worker_main
+
         spec = self.spec
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         channel = ParentChannel(parent_sock)

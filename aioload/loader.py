@@ -14,12 +14,11 @@ import torch.utils.data
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
-from . import _progress, _sync
+from . import _lazy, _sync
 from ._async_fetch import is_async_dataset
 from ._backend import BackendKeeper, WorkerBackend
 from ._datapipes import SharedSeeds, is_datapipe, is_iter_datapipe, reseed, shard_in_process
 from ._fetch import SamplePolicy
-from ._inline import InlineBackend
 from ._orchestrator import END, PENDING, Orchestrator, PassSetup
 from ._pinning import Transfer, make_transfer
 from ._ray_workers import RayWorkers
@@ -194,6 +193,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         self._pending_in_progress = False
         # An IterDataPipe's per-pass shuffle seed, shared by the workers (and the ranks).
         self._shared_seeds = SharedSeeds()
+        # What the first pass runs here, imported now rather than inside its clock (_lazy).
+        _lazy.warm(self.num_workers)
 
     # -- epochs and checkpoints ---------------------------------------------------------------
 
@@ -349,12 +350,16 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         iterator = _SyncIterator(self._engine(offload_inline=False), len_fn=self.__len__)
         if self.progress:
+            from . import _progress  # only a loader with a progress bar needs it
+
             return _progress.wrap_sync(iterator, self, {})
         return iterator
 
     def __aiter__(self) -> AsyncIterator[Any]:
         iterator = _AsyncIterator(self._engine(offload_inline=True))
         if self.progress:
+            from . import _progress
+
             return _progress.wrap_async(iterator, self, {})
         return iterator
 
@@ -489,6 +494,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             owns = True
 
             def make_backend() -> WorkerBackend:
+                # Imported here: only num_workers=0 runs datasets in this process.
+                from ._inline import InlineBackend
+
                 return InlineBackend(spec, offload=offload_inline)
 
         else:
