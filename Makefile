@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint docs bench bench-ray bench-gpu test-gpu soak unit clean
+.PHONY: install run test lint docs bench bench-sweep bench-ray bench-gpu test-gpu soak unit clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,8 @@ unit: install
 
 test: lint docs unit
 
+# aioload vs torch, the peers (torchdata.nodes, SPDL) and each workload's no-loader floor, with
+# issue 17's targets as PASS/FAIL; writes docs/benchmarks.{md,json,png}. About 15 minutes.
 bench: install
 	$(PY) -m aioload.bench
 	$(PY) -m aioload.bench.seeding --json docs/seeding.json
@@ -43,6 +45,11 @@ bench: install
 # network namespace (it re-runs itself under `unshare -n`); rows into docs/benchmarks.md.
 bench-ray: install
 	$(PY) -m aioload.bench.ray --json docs/benchmarks_ray.json --docs
+
+# How the cost grows with sample size, batch size and num_workers; writes the sweep section of
+# docs/benchmarks.md and docs/benchmarks-sweep.{json,png}. About 5 minutes.
+bench-sweep: install
+	$(PY) -m aioload.bench.sweep
 
 # Not part of `make test`: 1,000 loaders with random breaks and worker kills; counts must be flat.
 soak: install

@@ -31,7 +31,18 @@ from typing import Any, TypeVar
 import anyio
 from torch.utils.data import IterableDataset
 
-from ._fetch import BaseFetcher, PassPlan, RngStates, _seed_all
+from ._fetch import (
+    BaseFetcher,
+    Gathered,
+    PassPlan,
+    RngStates,
+    SamplePolicy,
+    _Failed,
+    _record,
+    _seed_all,
+    gathered_batch,
+    retry_delay,
+)
 
 __all__ = [
     "AsyncFetcher",
@@ -176,8 +187,9 @@ class AsyncFetcher(BaseFetcher):
         drop_last: bool,
         plan: PassPlan,
         concurrency: int = 1,
+        policy: SamplePolicy | None = None,
     ) -> None:
-        super().__init__(dataset_kind, dataset, auto_collation, collate_fn, drop_last, plan)
+        super().__init__(dataset_kind, dataset, auto_collation, collate_fn, drop_last, plan, policy)
         self.concurrency = concurrency
         self.batched = None if self.iterable else _batched_hook(dataset)
         self.started = False
@@ -188,14 +200,32 @@ class AsyncFetcher(BaseFetcher):
         return self.collate(await self.gather(indices))
 
     def collate(self, samples: Any) -> Any:
+        if type(samples) is Gathered:
+            return self.collate_gathered(samples)
         return self.collate_fn(samples)
 
     async def gather(self, indices: Any) -> Any:
-        """The samples of one batch (a list; one sample without auto-collation). Raises
-        StreamEnd when an IterableDataset's stream is done."""
+        """The samples of one batch (a list; one sample without auto-collation; a
+        ``Gathered`` under an active sample-error policy), for ``collate``. Raises StreamEnd
+        when an IterableDataset's stream is done."""
         if self.iterable:
-            return await self._gather_iterable(indices)
-        return await self._gather_map(indices)
+            if self.policy.active:
+                return await self._gather_iterable_policy(indices)
+            samples = await self._gather_iterable(indices)
+            if not self.keep_last:
+                return samples
+            count = len(samples) if self.auto_collation else 1
+            keys = list(range(self.samples_seen - count, self.samples_seen))
+        else:
+            if self.policy.active:
+                return await self._gather_map_policy(indices)
+            samples = await self._gather_map(indices)
+            if not self.keep_last:
+                return samples
+            keys = list(indices) if self.auto_collation else [indices]
+        # In a worker, the keys go with the samples to the collate, which keeps both until
+        # the batch is sent: a sample that cannot be sent is then named.
+        return Gathered(keys, samples, opaque=True)
 
     async def aclose(self) -> None:
         """Close an IterableDataset's async generator on the loop it ran on (its ``finally``
@@ -262,7 +292,123 @@ class AsyncFetcher(BaseFetcher):
             failures.append(exc)
             batch.cancel_scope.cancel()
 
+    # -- map-style, under the sample-error policy ---------------------------------------------
+
+    async def _gather_map_policy(self, indices: Any) -> Gathered:
+        """As ``_gather_map``, but each sample on its own: retried, then raised or skipped.
+        A failing batched fetch falls back to fetching its samples one by one."""
+        keys = list(indices) if self.auto_collation else [indices]
+        if self.auto_collation and self.batched is not None:
+            try:
+                data = await self._own_rng(self.batched(indices), keys[0] if keys else 0)
+            except Exception:
+                pass  # one by one, below: only the bad samples are lost
+            else:
+                return gathered_batch(keys, data)
+        if self._slots is None:
+            self._slots = anyio.Semaphore(self.concurrency)
+        samples: list[Any] = [None] * len(keys)
+        if self.concurrency == 1 or len(keys) == 1:
+            for position, key in enumerate(keys):
+                samples[position] = await self._get(key)
+            return Gathered(keys, samples)
+        failures: list[Exception] = []
+        async with anyio.create_task_group() as batch:
+            for position, key in enumerate(keys):
+                batch.start_soon(self._get_into, samples, position, key, failures, batch)
+        if failures:
+            failure = failures.pop(0)
+            failures.clear()
+            try:
+                raise failure
+            finally:
+                del failure
+        return Gathered(keys, samples)
+
+    async def _get_into(
+        self,
+        samples: list[Any],
+        position: int,
+        key: Any,
+        failures: list[Exception],
+        batch: anyio.abc.TaskGroup,
+    ) -> None:
+        try:
+            samples[position] = await self._get(key)
+        except Exception as exc:
+            # The policy said "raise": the batch is lost, as without a policy.
+            failures.append(exc)
+            batch.cancel_scope.cancel()
+
+    async def _get(self, key: Any) -> Any:
+        """One sample, retried ``policy.retries`` times with a growing pause, then raised or
+        skipped. The pause holds no concurrency slot, and only this sample's task sleeps: the
+        other fetches in flight go on."""
+        assert self._slots is not None
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                async with self._slots:
+                    item = self.dataset[key]
+                    if inspect.isawaitable(item):
+                        # (A sync __getitem__ beside an async __getitems__ returns the sample.)
+                        item = await self._own_rng(item, key)
+                    return item
+            except Exception as exc:
+                if tries <= self.policy.retries:
+                    await anyio.sleep(retry_delay(tries - 1))
+                    continue
+                if self.policy.skips(key, exc):
+                    return _Failed(_record(key, exc, tries))
+                raise
+
     # -- iterable ----------------------------------------------------------------------------
+
+    async def _draw(self) -> Any:
+        """The stream's next sample under the policy (``_Failed`` when skipped); as the sync
+        fetcher's ``_draw``, without retries."""
+        position = self.samples_seen
+        try:
+            return await self._next_sample()
+        except StopAsyncIteration:
+            raise
+        except Exception as exc:
+            if not self.policy.skips(position, exc):
+                raise
+            self.samples_seen += 1
+            return _Failed(_record(position, exc, 1))
+
+    async def _gather_iterable_policy(self, indices: Any) -> Gathered:
+        if not self.started:
+            await self.start()
+        if self.ended:
+            raise StreamEnd
+        keys: list[Any] = []
+        samples: list[Any] = []
+        if not self.auto_collation:
+            position = self.samples_seen
+            try:
+                samples.append(await self._draw())
+            except StopAsyncIteration:
+                self.ended = True
+                raise StreamEnd from None
+            keys.append(position)
+            return Gathered(keys, samples)
+        ran_dry = False
+        for _ in indices:
+            position = self.samples_seen
+            try:
+                sample = await self._draw()
+            except StopAsyncIteration:
+                self.ended = ran_dry = True
+                break
+            keys.append(position)
+            samples.append(sample)
+        if not samples or (self.drop_last and ran_dry and len(samples) < len(indices)):
+            self.ended = True
+            raise StreamEnd
+        return Gathered(keys, samples)
 
     async def start(self) -> None:
         """Open the stream: load the checkpointed state, or fast-forward past what was yielded
@@ -279,7 +425,15 @@ class AsyncFetcher(BaseFetcher):
         self.stream = self.dataset.__aiter__()
         try:
             for _ in range(plan.samples_seen):
-                await self._next_sample()
+                try:
+                    await self._next_sample()
+                except StopAsyncIteration:
+                    raise
+                except Exception:
+                    # Failed when first drawn too, and skipped (or raised) then.
+                    if not self.policy.may_skip:
+                        raise
+                    self.samples_seen += 1
         except StopAsyncIteration:
             self.ended = True  # shorter than it was: nothing is left to yield
 

@@ -112,6 +112,7 @@ class InlineBackend:
                     spec.drop_last,
                     self.plan,
                     in_calling_process=True,
+                    policy=spec.sample_policy,
                 )
             batch = self.fetcher.fetch(indices)
             self._record_stream()
@@ -149,6 +150,7 @@ class InlineBackend:
                     spec.drop_last,
                     self.plan,
                     spec.worker_concurrency,
+                    policy=spec.sample_policy,
                 )
             batch = await self.fetcher.fetch(indices)
             self._record_stream()

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 from ._fetch import PassPlan
 
 __all__ = [
+    "AllSkipped",
     "Answer",
     "Batch",
     "Event",
@@ -158,7 +159,12 @@ class Raised(NamedTuple):
     error: BaseException
 
 
-Outcome = Batch | Failed | Raised | StreamEnded
+class AllSkipped(NamedTuple):
+    """Every sample of the task was skipped (on_sample_error): nothing to yield, but the task
+    is delivered in its turn, so its skip records and its position are recorded."""
+
+
+Outcome = Batch | Failed | Raised | StreamEnded | AllSkipped
 
 
 class Answer(NamedTuple):

@@ -25,16 +25,24 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, NoReturn
 
 import anyio
-import anyio._backends._asyncio
 import anyio.lowlevel
 
 from ._backend import WorkerBackend
-from ._fetch import PassPlan
-from ._messages import Answer, Batch, Failed, Outcome, Raised, StreamEnded, WorkerLost
+from ._fetch import PassPlan, take_skips
+from ._messages import (
+    AllSkipped,
+    Answer,
+    Batch,
+    Failed,
+    Outcome,
+    Raised,
+    StreamEnded,
+    WorkerLost,
+)
 from ._pinning import PinStage, Transfer
 from ._resume import PassProgress, StreamPoint
 from .errors import DataLoaderTimeoutError
-from .stats import PassStats
+from .stats import PassStats, SkipCap, SkippedSample
 
 __all__ = ["END", "PENDING", "Orchestrator", "PassSetup"]
 
@@ -73,6 +81,8 @@ class PassSetup:
     # torch's IterableDataset length warning: len(dataloader) as reported, and the dataset.
     iterable_len: int | None = None
     dataset: Any = None
+    # max_skipped, if any (on_sample_error).
+    skip_cap: SkipCap | None = None
 
 
 # The backend before the first next() starts it (every use checks for this first).
@@ -172,6 +182,8 @@ class Orchestrator:
         self._next_worker = progress.next_worker % num_workers
         self._sampler_done = False
         self._num_yielded = len(progress.yielded)
+        # Skipped samples of answered tasks, recorded when the task is delivered.
+        self._skips: dict[int, list[SkippedSample]] = {}
         self._fatal: BaseException | None = None
         self._finished = False
         self._closed = False
@@ -227,6 +239,9 @@ class Orchestrator:
                 if isinstance(staged, StreamEnded):
                     self._end_reached(self._staged.popleft()[0])
                     continue
+                if isinstance(staged, AllSkipped):
+                    self._record_yield(self._staged.popleft()[0])
+                    continue
                 break
             if staged is not None:
                 task_id, samples = self._staged.popleft()
@@ -234,6 +249,7 @@ class Orchestrator:
             if stage.pending:
                 return PENDING
         if not self._inflight and (self._sampler_done or not any(self._active)):
+            self._check_skip_cap(final=True)
             self._finished = True
             self.progress.finished = True
             return END
@@ -380,6 +396,12 @@ class Orchestrator:
         if answer.busy_s is not None:
             self.stats.fetched(worker_id, answer.busy_s)
         samples = self.stats.count(sent.indices)
+        skipped, outcome = take_skips(outcome)
+        if skipped:
+            # The skip records travel inside the batch's answer; they count when the task is
+            # delivered (one with nothing left is delivered as AllSkipped: not yielded).
+            self._skips[task_id] = skipped
+            samples -= len(skipped)
         if isinstance(outcome, StreamEnded):
             # This worker's IterableDataset copy has run dry for this epoch.
             self._active[worker_id] = False
@@ -387,7 +409,7 @@ class Orchestrator:
             stream = answer.stream
             # The stream's own count says what the batch holds (a short last batch, or a
             # collate whose result has no batch dimension).
-            samples = stream.samples_seen - self._samples_seen[worker_id]
+            samples = stream.samples_seen - self._samples_seen[worker_id] - len(skipped)
             self._samples_seen[worker_id] = stream.samples_seen
             point = StreamPoint(
                 stream.samples_seen, stream.state is not None, stream.state, stream.ended
@@ -418,6 +440,11 @@ class Orchestrator:
                 self._end_reached(task_id)
                 continue
             self._per_worker[done.worker_id] -= 1
+            if isinstance(done.outcome, AllSkipped) and not through_stage:
+                # Nothing to yield, but delivered here, in its turn (through the stage, which
+                # keeps the order, it is recorded when the stage hands it back).
+                self._record_yield(task_id)
+                continue
             return task_id, done.outcome, done.samples
 
     def _end_reached(self, task_id: int) -> None:
@@ -442,6 +469,31 @@ class Orchestrator:
             if assigned.point is not None:
                 progress.streams[assigned.worker_id] = assigned.point
             self._note_next_worker(task_id)
+        skipped = self._skips.pop(task_id, None)
+        if skipped:
+            # Recorded with the batch's position, so a checkpoint has both or neither.
+            progress.skipped.extend(skipped)
+        cap = self._setup.skip_cap
+        if cap is not None and (skipped or cap.limit is None):
+            # (A fraction of an unknown total moves with every batch.)
+            self._check_skip_cap(final=False)
+
+    def _check_skip_cap(self, final: bool) -> None:
+        """Past max_skipped, the pass ends with TooManySampleErrors (a kept backend stays:
+        nothing is wrong with its workers)."""
+        cap = self._setup.skip_cap
+        if cap is None:
+            return
+        progress = self.progress
+        if progress.iterable:
+            drawn = sum(point.samples_seen for point in progress.streams)
+        else:
+            drawn = self.stats.samples + len(progress.skipped)
+        error = cap.error(progress.skipped, drawn, final)
+        if error is not None:
+            self._fatal = error
+            self.close()
+            raise error
 
     def _deliver(self, task_id: int, outcome: Outcome, samples: int) -> Any:
         # Recorded before an error is raised too: a batch whose error reached the consumer
@@ -455,20 +507,22 @@ class Orchestrator:
         assert isinstance(outcome, Batch)
         value = outcome.value
         self._num_yielded += 1
-        # torch refills the prefetch window as it hands a batch over (``_process_data`` calls
-        # ``_try_put_index``), not at the next request. Doing the same keeps the number of
-        # tasks sent after k batches at prefetch + k, and with it which sampler draws happen
-        # before a ``break``: a later shuffled epoch then matches torch's order. (In the calling
-        # process torch draws a batch's indices only when it is asked for, so nothing is sent
-        # ahead there.)
-        if self._setup.multiprocess:
-            self._dispatch()
         self.stats.yielded(
             value,
             samples,
             in_flight=len(self._inflight),
             waiting=len(self._reorder_buffer) + len(self._completed) + len(self._staged),
         )
+        # torch refills the prefetch window as it hands a batch over (``_process_data`` calls
+        # ``_try_put_index``), not at the next request. Doing the same keeps the number of
+        # tasks sent after k batches at prefetch + k, and with it which sampler draws happen
+        # before a ``break``: a later shuffled epoch then matches torch's order. (In the calling
+        # process torch draws a batch's indices only when it is asked for, so nothing is sent
+        # ahead there.)
+        # The queue depths above are read before the refill: they describe what was waiting
+        # when this batch was handed over.
+        if self._setup.multiprocess:
+            self._dispatch()
         iterable_len = self._setup.iterable_len
         if iterable_len is not None and self._num_yielded > iterable_len:
             warn_msg = (

@@ -53,8 +53,13 @@ class _Bar:
     def _show_data_bound(self) -> None:
         assert self.stats is not None
         pct = self.stats.data_bound_pct()
-        if pct is not None:
-            self.bar.set_postfix_str(f"data-bound {pct:.0f}%", refresh=False)
+        parts = [] if pct is None else [f"data-bound {pct:.0f}%"]
+        # Samples skipped so far (on_sample_error), shown once there is one.
+        skipped = len(self.stats.skipped)
+        if skipped:
+            parts.append(f"skipped {skipped}")
+        if parts:
+            self.bar.set_postfix_str(", ".join(parts), refresh=False)
 
     def close(self) -> None:
         if self.closed:

@@ -346,6 +346,7 @@ class RayBackend:
             rank=spec.rank,
             world_size=spec.world_size,
             worker_concurrency=spec.worker_concurrency,
+            sample_policy=spec.sample_policy,
         )
         actor: Any = self._actor_class.options(name=None).remote(config, self._payload)
         self._incarnations += 1

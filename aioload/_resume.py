@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ._fetch import PassPlan
+from .stats import SkippedSample
 
 __all__ = [
     "FORMAT",
@@ -117,6 +118,9 @@ class PassProgress:
     # IterableDataset, in order: the worker the next batch was (or will be) asked of.
     next_worker: int = 0
     finished: bool = False
+    # Samples skipped (on_sample_error) in delivered batches: a resumed pass carries them on,
+    # and its count and its max_skipped cap continue from them.
+    skipped: list[SkippedSample] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.streams:
@@ -133,6 +137,7 @@ class PassProgress:
             "yielded_extra": sorted(self.yielded.extra),
             "streams": [point.as_dict() for point in self.streams],
             "next_worker": self.next_worker,
+            "skipped": [record.as_dict() for record in self.skipped],
         }
 
     @classmethod
@@ -150,6 +155,8 @@ class PassProgress:
             ),
             streams=streams,
             next_worker=int(data["next_worker"]),
+            # (Absent from states saved before skipping existed.)
+            skipped=[SkippedSample.from_dict(record) for record in data.get("skipped", ())],
         )
 
 
@@ -276,6 +283,8 @@ def begin_pass(
         else:
             progress.yielded = resume.yielded.copy()
             skip = resume.yielded
+        # The skips so far go on: the list, its count and the cap.
+        progress.skipped = list(resume.skipped)
     plans = [
         PassPlan(
             epoch=epoch,

@@ -23,11 +23,6 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-# Imported here, with the package, rather than on the first wait: importing uvloop (and anyio's
-# asyncio backend, see _orchestrator) costs ~20 ms, which would otherwise land inside the time
-# to the first batch.
-import uvloop
-
 __all__ = ["run"]
 
 T = TypeVar("T")
@@ -41,6 +36,11 @@ _helper: _LoopThread | None = None
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+    # uvloop is imported on the first step that waits, not with the package: `import aioload`
+    # stays cheap (docs/benchmarks.md, start-up), and with workers that first wait comes right
+    # after they are forked, so the import overlaps their start on another core.
+    import uvloop
+
     factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
     return factory
 

@@ -44,7 +44,7 @@ from . import _transport
 from ._async_fetch import AsyncFetcher, StreamEnd, has_async_context, is_async_dataset
 from ._channel import ChannelClosed, WorkerChannel
 from ._datapipes import is_datapipe, reseed, shard_in_worker
-from ._fetch import Fetcher, PassPlan
+from ._fetch import Fetcher, PassPlan, SamplePolicy
 from ._messages import (
     Failure,
     FreeSlabs,
@@ -158,6 +158,8 @@ class WorkerConfig:
     world_size: int = 1
     # Samples an async dataset's worker fetches at once (DataLoader's worker_concurrency).
     worker_concurrency: int = 1
+    # on_sample_error and sample_retries (a callable policy runs in this worker).
+    sample_policy: SamplePolicy | None = None
 
 
 def _set_worker_info(info: WorkerInfo) -> None:
@@ -316,6 +318,7 @@ class WorkerStep:
                 self.collate_fn,
                 self.config.drop_last,
                 plan,
+                policy=self.config.sample_policy,
             )
         except Exception:
             self.fetch_error = RemoteError(self.config.worker_id)
@@ -331,6 +334,7 @@ class WorkerStep:
             self.config.drop_last,
             plan,
             self.config.worker_concurrency,
+            policy=self.config.sample_policy,
         )
         self.fetcher = fetcher
         return fetcher
@@ -530,10 +534,24 @@ class _ProcessWorker:
                 return PickledBatch(_transport.dumps_by_value(produced.data))
             except Exception:
                 return self.step.error()
-        except Exception:
-            # Typically an unpicklable sample.
+        except Exception as error:
+            # Typically an unpicklable sample. The fetcher blames the samples that cannot be
+            # sent: it raises an error naming them, or (skip) gives the batch without them.
             self.step.release(arena)
-            return self.step.error()
+            drop_unsendable = getattr(self.step.fetcher, "drop_unsendable", None)
+            try:
+                if drop_unsendable is None:
+                    raise error
+                data = drop_unsendable(error)  # (raises error when no sample is to blame)
+            except Exception:
+                return self.step.error()
+            # Each round drops at least one sample, so this ends.
+            return self._encode(produced._replace(data=data, arena=None), fds)
+        finally:
+            # The fetcher kept the batch's samples for the blame above: let them go.
+            forget = getattr(self.step.fetcher, "forget", None)
+            if forget is not None:
+                forget()
         slab = encoded.slab
         capacity = 0
         if slab is not None and encoded.new_slab:

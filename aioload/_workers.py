@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 
 from ._channel import ChannelClosed, ParentChannel
-from ._fetch import PassPlan
+from ._fetch import PassPlan, SamplePolicy
 from ._messages import (
     Answer,
     Batch,
@@ -45,7 +45,6 @@ from ._messages import (
     WorkerLost,
 )
 from ._transport import SlabMappings
-from ._worker_main import WorkerConfig, worker_main
 from .errors import WorkerDiedError
 
 __all__ = ["WorkerPool", "WorkerSpec"]
@@ -102,6 +101,7 @@ class WorkerSpec:
     rank: int = 0
     world_size: int = 1
     worker_concurrency: int = 1
+    sample_policy: SamplePolicy | None = None
 
 
 def _payload(objects: tuple[Any, Any, Any], forking: bool) -> tuple[Any, Any, Any] | bytes:
@@ -205,6 +205,10 @@ class WorkerPool:
             raise
 
     def _spawn(self, worker_id: int) -> _WorkerHandle:
+        # The worker-side code is imported on the first spawn, not with the package: the
+        # parent never runs it, a fork only needs it in memory, and `import aioload` stays cheap.
+        from ._worker_main import WorkerConfig, worker_main
+
         spec = self.spec
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         channel = ParentChannel(parent_sock)
@@ -225,6 +229,7 @@ class WorkerPool:
             rank=spec.rank,
             world_size=spec.world_size,
             worker_concurrency=spec.worker_concurrency,
+            sample_policy=spec.sample_policy,
         )
         process = self._ctx.Process(
             target=worker_main,

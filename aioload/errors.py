@@ -15,7 +15,15 @@ which ``BaseException.__reduce__`` carries alongside ``args``.
 
 from __future__ import annotations
 
-__all__ = ["DataLoaderTimeoutError", "LoaderError", "WorkerDiedError", "WorkerError"]
+from typing import Any
+
+__all__ = [
+    "DataLoaderTimeoutError",
+    "LoaderError",
+    "TooManySampleErrors",
+    "WorkerDiedError",
+    "WorkerError",
+]
 
 
 class LoaderError(RuntimeError):
@@ -58,3 +66,25 @@ class DataLoaderTimeoutError(LoaderError):
     def __init__(self, message: str, *, timeout: float | None = None) -> None:
         super().__init__(message)
         self.timeout = timeout
+
+
+class TooManySampleErrors(LoaderError):
+    """A pass skipped more samples than ``max_skipped`` allows.
+
+    The message gives the cap, the count, and the last few skipped indices with their errors.
+    ``max_skipped`` is the cap as a count of samples (a fraction already resolved), ``count``
+    the number skipped, ``skipped`` the records (``aioload.stats.SkippedSample``) of the pass.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        max_skipped: int | None = None,
+        count: int = 0,
+        skipped: tuple[Any, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.max_skipped = max_skipped
+        self.count = count
+        self.skipped = skipped

@@ -14,11 +14,11 @@ import torch.utils.data
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
-from . import _progress, _sync
+from . import _lazy, _sync
 from ._async_fetch import is_async_dataset
 from ._backend import BackendKeeper, WorkerBackend
 from ._datapipes import SharedSeeds, is_datapipe, is_iter_datapipe, reseed, shard_in_process
-from ._inline import InlineBackend
+from ._fetch import SamplePolicy
 from ._orchestrator import END, PENDING, Orchestrator, PassSetup
 from ._pinning import Transfer, make_transfer
 from ._ray_workers import RayWorkers
@@ -32,7 +32,7 @@ from ._resume import (
     generator_states,
 )
 from ._workers import WorkerPool, WorkerSpec
-from .stats import LoaderStats, PassStats, empty_stats
+from .stats import LoaderStats, PassStats, SkipCap, empty_stats
 
 __all__ = ["DataLoader"]
 
@@ -80,6 +80,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         progress: bool = False,
         worker_concurrency: int = 1,
         workers: RayWorkers | None = None,
+        on_sample_error: str | Callable[[Any, BaseException], str] = "raise",
+        max_skipped: int | float | None = None,
+        sample_retries: int = 0,
     ) -> None:
         if shard not in ("auto", "none"):
             raise ValueError(f"shard option should be 'auto' or 'none', but got shard={shard!r}")
@@ -151,6 +154,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         self.worker_concurrency = _check_worker_concurrency(
             worker_concurrency, self.dataset, self._dataset_kind, worker_init_fn
         )
+        _check_sample_errors(on_sample_error, max_skipped, sample_retries)
+        # Bad samples (docs/reliability.md, "Bad samples"): skipped or raised after retries,
+        # each skip recorded, within a cap per pass.
+        self.on_sample_error = on_sample_error
+        self.max_skipped = max_skipped
+        self.sample_retries = sample_retries
         self.seed_per_sample = bool(seed_per_sample)
         # Every argument reads back under its own name (Lightning rebuilds a DataLoader subclass
         # from its __init__ signature and these attributes); torch keeps all but these.
@@ -184,6 +193,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         self._pending_in_progress = False
         # An IterDataPipe's per-pass shuffle seed, shared by the workers (and the ranks).
         self._shared_seeds = SharedSeeds()
+        # What the first pass runs here, imported now rather than inside its clock (_lazy).
+        _lazy.warm(self.num_workers)
 
     # -- epochs and checkpoints ---------------------------------------------------------------
 
@@ -339,12 +350,16 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         iterator = _SyncIterator(self._engine(offload_inline=False), len_fn=self.__len__)
         if self.progress:
+            from . import _progress  # only a loader with a progress bar needs it
+
             return _progress.wrap_sync(iterator, self, {})
         return iterator
 
     def __aiter__(self) -> AsyncIterator[Any]:
         iterator = _AsyncIterator(self._engine(offload_inline=True))
         if self.progress:
+            from . import _progress
+
             return _progress.wrap_async(iterator, self, {})
         return iterator
 
@@ -366,7 +381,21 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             rank=self._rank,
             world_size=self._world_size,
             worker_concurrency=self.worker_concurrency,
+            sample_policy=SamplePolicy(self.on_sample_error, self.sample_retries),
         )
+
+    def _skip_cap(self) -> SkipCap | None:
+        """max_skipped for a pass; a fraction is of the sampler's length (an IterableDataset's
+        ``len``, where it has one)."""
+        if self.max_skipped is None:
+            return None
+        total: int | None = None
+        if isinstance(self.max_skipped, float):
+            try:
+                total = len(self.dataset if self._dataset_kind == 1 else self.sampler)  # type: ignore[arg-type]
+            except TypeError:
+                total = None
+        return SkipCap(self.max_skipped, total)
 
     def _draw_shared_seed(self) -> int:
         return self._shared_seeds.draw(self.generator)
@@ -411,6 +440,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             in_process=self.num_workers == 0,
             auto_collation=self._auto_collation,
         )
+        # One list, appended to as batches are delivered: stats() and state_dict() read it.
+        self._pass_stats.skipped = setup.progress.skipped
         engine = Orchestrator(make_backend, setup, owns_backend=owns, stats=self._pass_stats)
         if owns:
             # Also on garbage collection of an abandoned pass (``break``, ``del``) and at exit.
@@ -463,6 +494,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             owns = True
 
             def make_backend() -> WorkerBackend:
+                # Imported here: only num_workers=0 runs datasets in this process.
+                from ._inline import InlineBackend
+
                 return InlineBackend(spec, offload=offload_inline)
 
         else:
@@ -491,6 +525,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             transfer=transfer,
             iterable_len=self._IterableDataset_len_called,
             dataset=self.dataset,
+            skip_cap=self._skip_cap(),
         )
         return setup, make_backend, owns
 
@@ -555,6 +590,42 @@ def _check_worker_concurrency(
             f"an async dataset's worker runs, and {type(dataset).__name__} is synchronous"
         )
     return worker_concurrency
+
+
+def _check_sample_errors(on_sample_error: Any, max_skipped: Any, sample_retries: Any) -> None:
+    if not (on_sample_error in ("raise", "skip") or callable(on_sample_error)):
+        raise ValueError(
+            "on_sample_error option should be 'raise', 'skip' or a callable "
+            "(index, exception) -> 'raise' | 'skip', but got "
+            f"on_sample_error={on_sample_error!r}"
+        )
+    if max_skipped is not None:
+        if isinstance(max_skipped, bool) or not isinstance(max_skipped, (int, float)):
+            valid = False
+        elif isinstance(max_skipped, float):
+            valid = 0.0 < max_skipped < 1.0
+        else:
+            valid = max_skipped >= 0
+        if not valid:
+            raise ValueError(
+                "max_skipped option should be None, a non-negative integer (a count) or a "
+                f"float in (0, 1) (a fraction of the pass's samples), but got "
+                f"max_skipped={max_skipped!r}"
+            )
+        if on_sample_error == "raise":
+            raise ValueError(
+                "max_skipped caps skipped samples, but on_sample_error='raise' skips none: "
+                "pass on_sample_error='skip' (or a callable) with it"
+            )
+    if (
+        not isinstance(sample_retries, int)
+        or isinstance(sample_retries, bool)
+        or sample_retries < 0
+    ):
+        raise ValueError(
+            "sample_retries option should be a non-negative integer, but got "
+            f"sample_retries={sample_retries!r}"
+        )
 
 
 def _check_device(device: str | torch.device | None) -> torch.device | None:

@@ -21,12 +21,98 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["LoaderStats", "PassStats", "WorkerStats"]
+from .errors import TooManySampleErrors
+
+__all__ = ["LoaderStats", "PassStats", "SkipCap", "SkippedSample", "WorkerStats"]
 
 # Fetch times kept per worker for percentiles. Up to this many tasks the percentiles are exact;
 # beyond it, each later time replaces a kept one with the probability that keeps the sample
 # uniform over the whole pass (reservoir sampling).
 RESERVOIR_SIZE = 1024
+
+
+@dataclass(frozen=True)
+class SkippedSample:
+    """One sample the pass skipped (``on_sample_error="skip"``, or the callable said so)."""
+
+    # The sampler's index (map-style); for an IterableDataset, the element's position in its
+    # worker's stream (0 for the first element that worker drew this pass).
+    index: Any
+    # The exception's type and message, as text: "OSError: image file is truncated".
+    error: str
+    # The worker that fetched it; None for the calling process (num_workers=0).
+    worker: int | None
+    # How many times it was tried: 1 + sample_retries for a fetch that kept failing, 1 for a
+    # sample that could not be collated or sent (those are not retried).
+    tries: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "error": self.error,
+            "worker": self.worker,
+            "tries": self.tries,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SkippedSample:
+        worker = data["worker"]
+        return cls(
+            index=data["index"],
+            error=str(data["error"]),
+            worker=None if worker is None else int(worker),
+            tries=int(data["tries"]),
+        )
+
+
+class SkipCap:
+    """``max_skipped`` for one pass: an int is a count; a float in (0, 1) a fraction of the
+    pass's samples (``total``: the sampler's length, or an IterableDataset's ``len``).
+
+    An IterableDataset without ``len`` has no known total: the fraction is then taken of the
+    samples its streams have drawn so far, and checked once at least ``1 / fraction`` have been
+    drawn (so that one early skip does not count as 100 %), and again when the pass ends."""
+
+    # How many of the latest skips the error message lists.
+    SHOWN = 5
+
+    def __init__(self, max_skipped: int | float, total: int | None) -> None:
+        self.max_skipped = max_skipped
+        self.fraction = isinstance(max_skipped, float)
+        self.limit: int | None = None
+        if not self.fraction:
+            self.limit = int(max_skipped)
+        elif total is not None:
+            self.limit = math.floor(max_skipped * total)
+        self.total = total
+
+    def error(
+        self, skipped: list[SkippedSample], drawn: int, final: bool
+    ) -> TooManySampleErrors | None:
+        count = len(skipped)
+        limit = self.limit
+        if limit is None:
+            # A fraction of an unknown total: of what was drawn so far.
+            if drawn <= 0 or (not final and drawn < math.ceil(1 / self.max_skipped)):
+                return None
+            limit = math.floor(self.max_skipped * drawn)
+        if count <= limit:
+            return None
+        if self.fraction:
+            of = f"{self.total} samples" if self.total is not None else f"{drawn} drawn so far"
+            cap = f"max_skipped={self.max_skipped} (at most {limit} of {of})"
+        else:
+            cap = f"max_skipped={self.max_skipped}"
+        last = "; ".join(
+            f"index {r.index!r} ({'main' if r.worker is None else f'worker {r.worker}'}): "
+            f"{r.error.splitlines()[0] if r.error else ''}"
+            for r in skipped[-self.SHOWN :]
+        )
+        message = (
+            f"aioload: {count} samples skipped in this pass, more than {cap} allows. "
+            f"Last {min(count, self.SHOWN)}: {last}"
+        )
+        return TooManySampleErrors(message, max_skipped=limit, count=count, skipped=tuple(skipped))
 
 
 @dataclass(frozen=True)
@@ -86,6 +172,10 @@ class LoaderStats:
     # The calling process counts as worker 0 when num_workers=0.
     in_process: bool
     workers: list[WorkerStats] = field(default_factory=list)
+    # Samples this pass skipped (on_sample_error), oldest first, and how many; a resumed pass
+    # carries on the list and the count of the pass it resumes.
+    skipped: list[SkippedSample] = field(default_factory=list)
+    skipped_count: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data (numbers, None, lists and dicts) for loggers and ``json.dumps``."""
@@ -134,6 +224,9 @@ class PassStats:
         self._waiting_sum = 0
         self.pin_batches = 0
         self.pin_s = 0.0
+        # Skipped samples, recorded when their batch is delivered. The loader makes this the
+        # same list as the pass's PassProgress.skipped, so a checkpoint carries it.
+        self.skipped: list[SkippedSample] = []
         # Batches a resumed pass had yielded before its checkpoint (a progress bar starts there).
         self.resumed_batches = 0
 
@@ -256,6 +349,8 @@ class PassStats:
             pin_s=self.pin_s,
             in_process=self.in_process,
             workers=workers,
+            skipped=list(self.skipped),
+            skipped_count=len(self.skipped),
         )
 
 
@@ -282,6 +377,15 @@ def _seconds(value: float | None) -> str:
     return f"{value:.2f} s"
 
 
+# The stats table lists this many of the latest skipped samples.
+_SKIPS_SHOWN = 5
+
+
+def _clip(text: str, limit: int = 100) -> str:
+    line = text.splitlines()[0] if text else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 def _table(stats: LoaderStats) -> str:
     state = "finished" if stats.elapsed_s > 0 else "not started"
     if stats.running:
@@ -305,6 +409,15 @@ def _table(stats: LoaderStats) -> str:
             f"  pin/H2D: {stats.pin_batches} batches, {stats.pin_s:.2f} s "
             f"({_seconds(stats.pin_s / stats.pin_batches)} each)"
         )
+    if stats.skipped_count:
+        lines.append(f"  skipped samples: {stats.skipped_count} (on_sample_error)")
+        shown = stats.skipped[-_SKIPS_SHOWN:]
+        if len(shown) < stats.skipped_count:
+            lines.append(f"    ... {stats.skipped_count - len(shown)} earlier, then:")
+        for record in shown:
+            where = "main" if record.worker is None else f"worker {record.worker}"
+            tries = f", {record.tries} tries" if record.tries > 1 else ""
+            lines.append(f"    index {record.index!r} ({where}{tries}): {_clip(record.error)}")
     header = ("worker", "tasks", "busy", "fetch p50", "p90", "p99", "restarts")
     rows = [
         (

@@ -1,13 +1,16 @@
 """The main demo (``make run``): a small image-classification pipeline, trained with ``async for``.
 
 1. On the first run, about 2,000 JPEGs of coloured shapes (four classes) are drawn with Pillow
-   into ``data/images/`` (git-ignored). Later runs reuse them.
+   into ``data/images/`` (git-ignored). Later runs reuse them. A few are corrupt on purpose
+   (truncated, or not a JPEG at all), as some records always are at scale.
 2. A dataset decodes each JPEG with Pillow and augments it with numpy (random crop, flip,
    brightness), as a real vision pipeline does.
 3. A small CNN trains for one epoch on the CPU, under ``async for``, with a progress bar that
-   shows batches/s and the live data-bound %.
-4. It prints ``loader.stats()``, then the images/s of aioload next to torch's DataLoader on the
-   same pipeline: training one epoch, and loading alone.
+   shows batches/s and the live data-bound %. ``on_sample_error="skip"`` trains through the
+   corrupt files: each costs its sample, and is counted, listed and capped (``max_skipped``).
+4. It prints ``loader.stats()`` (the skipped files among it), then the images/s of aioload
+   next to torch's DataLoader on the same pipeline, training one epoch and loading alone (on
+   the readable files: one corrupt file would end torch's epoch).
 
 Options: ``--images``, ``--batch-size``, ``--workers``, ``--data-dir``; run with ``--help``.
 With ``AIOLOAD_EXAMPLE_SMALL=1`` it runs on 64 images (the examples test does this).
@@ -34,6 +37,8 @@ import aioload
 SMALL = os.environ.get("AIOLOAD_EXAMPLE_SMALL", "") not in ("", "0")
 CLASSES = ("circle", "square", "triangle", "cross")
 IMAGE_SIDE = 96  # stored size
+# Images written corrupt on purpose (those below --images): two truncated, two not JPEGs.
+CORRUPT = {5: "truncated", 37: "garbage", 1001: "truncated", 1666: "garbage"}
 CROP_SIDE = 80  # what the network sees, after a random crop
 
 
@@ -68,7 +73,8 @@ def _draw(index: int) -> tuple[Image.Image, int]:
 def ensure_images(folder: Path, count: int) -> list[Path]:
     """The ``count`` JPEGs in ``folder``, drawn on first use. A marker file written last says
     the set is complete, so an interrupted first run is redone rather than half used."""
-    marker = folder / f".complete-{count}"
+    # (v2: sets drawn before the corrupt files existed are drawn again.)
+    marker = folder / f".complete-v2-{count}"
     paths = [folder / f"{i:05d}_{CLASSES[i % len(CLASSES)]}.jpg" for i in range(count)]
     if marker.exists():
         return paths
@@ -77,8 +83,20 @@ def ensure_images(folder: Path, count: int) -> list[Path]:
     for i, path in enumerate(paths):
         image, _ = _draw(i)
         image.save(path, quality=90)
+        damage = CORRUPT.get(i)
+        if damage == "truncated":
+            # Cut off mid-scan, as an interrupted copy leaves it: Pillow opens it, then fails
+            # to decode it.
+            data = path.read_bytes()
+            path.write_bytes(data[: len(data) // 2])
+        elif damage == "garbage":
+            path.write_bytes(b"<html>404 Not Found</html>")  # what a failed download saved
     marker.touch()
-    print(f"drew {count} JPEGs into {folder} in {time.perf_counter() - started:.1f} s")
+    corrupt = sum(1 for i in CORRUPT if i < count)
+    print(
+        f"drew {count} JPEGs into {folder} in {time.perf_counter() - started:.1f} s "
+        f"({corrupt} corrupt on purpose)"
+    )
     return paths
 
 
@@ -193,7 +211,8 @@ def main() -> None:
     # The loader's workers need CPUs too: training threads that compete with them for the same
     # cores make each step several times slower (OpenMP threads spin waiting for each other).
     torch.set_num_threads(max(1, (os.cpu_count() or 1) - args.workers))
-    dataset = JpegShapes(ensure_images(args.data_dir, args.images))
+    paths = ensure_images(args.data_dir, args.images)
+    dataset = JpegShapes(paths)
     settings: dict[str, Any] = {
         "batch_size": args.batch_size,
         "num_workers": args.workers,
@@ -201,11 +220,20 @@ def main() -> None:
         "generator": torch.Generator().manual_seed(0),
     }
 
-    loader = aioload.DataLoader(dataset, **settings)
+    # A corrupt file costs its sample, not the run: skipped, counted and listed in the stats,
+    # and the run stops (TooManySampleErrors) if more than 5 % of the epoch is unreadable.
+    loader = aioload.DataLoader(dataset, **settings, on_sample_error="skip", max_skipped=0.05)
     trainer, aio_train_s = uvloop.run(train_epoch_async(loader))
     print()
-    print(loader.stats())
+    stats = loader.stats()
+    print(stats)
     print(f"\none epoch: accuracy {trainer.correct / trainer.seen:.1%} on {trainer.seen} images")
+    for record in stats.skipped:
+        print(f"  skipped {Path(dataset.paths[record.index]).name}: {record.error}")
+
+    # torch's DataLoader has no skip: its runs read only the readable files.
+    readable = JpegShapes([p for i, p in enumerate(paths) if i not in CORRUPT])
+    dataset = readable
 
     settings["generator"] = torch.Generator().manual_seed(0)
     torch_loader = torch.utils.data.DataLoader(dataset, **settings)

@@ -25,7 +25,15 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 # Lines each known example must print (regular substrings); others must print something.
 EXPECTED: dict[str, list[str]] = {
     "quickstart.py": ["aioload, async for", "aioload, for", "torch DataLoader, for"],
-    "train_images.py": ["drew 64 JPEGs", "aioload stats (finished)", "data-bound", "load only"],
+    "train_images.py": [
+        "drew 64 JPEGs",
+        "(2 corrupt on purpose)",
+        "aioload stats (finished)",
+        "skipped samples: 2",
+        "skipped 00005_square.jpg: OSError",
+        "data-bound",
+        "load only",
+    ],
     "sync_script.py": ["epoch 0: mean loss", "epoch 1: mean loss", "aioload stats (finished)"],
     "async_training_loop.py": ["epoch 1: accuracy", "event loop:", "checkpoint"],
     "trio_loop.py": ["8 batches, 512 signals", "cancelled pass: cleaned up"],

@@ -1,7 +1,9 @@
 """CLI: ``python -m aioload.bench`` -- aioload vs torch DataLoader, side by side.
 
-Runs alternate torch / aioload (each in a fresh subprocess), ``--repeats`` times per
-workload and aioload mode; prints one line per run and a summary table, then writes
+Runs alternate the floor (no loader), torch, aioload (each mode) and the peer loaders, each in
+a fresh subprocess, ``--repeats`` times per workload; then fresh-process start-up probes
+(``import aioload``, first batch, a later epoch's first batch). Prints one line per run, a
+summary table and issue 17's targets as PASS/FAIL, then writes
 ``<out-dir>/benchmarks.{md,json,png}`` unless ``--no-write``.
 """
 
@@ -12,13 +14,15 @@ import contextlib
 import importlib
 import math
 import shlex
+import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from aioload.bench import report
-from aioload.bench._one import FAKE_ENV, MODES, fake_enabled
+from aioload.bench import report, startup
+from aioload.bench._one import FAKE_ENV, MODES, PEERS, fake_enabled, peer_available
 from aioload.bench.httpserver import object_store
 from aioload.bench.runner import SAMPLE_PERIOD_S, run_child
 from aioload.bench.workloads import LATENCY_S, WORKLOADS, calibrate_cpu_iters
@@ -67,8 +71,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--min-seconds",
         type=float,
         default=None,
-        help="minimum steady-state seconds per run; extra epochs only if one "
-        "epoch is shorter (default 2.0 x min(1, scale))",
+        help="steady-state seconds per run: a run stops there, mid-epoch; extra epochs only "
+        "if one epoch is shorter (default 3.0 x min(1, scale))",
+    )
+    p.add_argument(
+        "--peers",
+        default=",".join(PEERS),
+        type=lambda s: [] if s in ("", "none") else _csv(s, PEERS, "peer"),
+        help="peer loaders to measure where installed, or 'none' (default %(default)s)",
+    )
+    p.add_argument(
+        "--peer-workloads",
+        default="tiny,image,cpu",
+        help="workloads the peers run (map-style, synchronous datasets; default %(default)s)",
+    )
+    p.add_argument("--no-floor", action="store_true", help="skip the no-loader floor runs")
+    p.add_argument(
+        "--startup-repeats",
+        type=int,
+        default=3,
+        help="fresh-process first-batch probes per loader and workload; 0 skips them",
+    )
+    p.add_argument(
+        "--import-repeats", type=int, default=7, help="fresh processes for `import aioload`"
     )
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument(
@@ -106,13 +131,13 @@ def _check_aioload() -> str | None:
 
 
 RUN_HEADER = (
-    f"{'#':>7}  {'workload':<8} {'loader':<8} {'mode':<13} {'items/s':>12} "
-    f"{'TTFB':>8} {'peak RSS':>10} {'wall':>6}  note"
+    f"{'#':>7}  {'workload':<8} {'loader':<9} {'mode':<13} {'items/s':>12} "
+    f"{'TTFB':>8} {'CPU/batch':>10} {'peak RSS':>10} {'wall':>6}  note"
 )
 
 
 def _run_line(i: int, n: int, rec: dict[str, Any]) -> str:
-    head = f"{i:>3}/{n:<3}  {rec['workload']:<8} {rec['loader']:<8} {rec['mode']:<13}"
+    head = f"{i:>3}/{n:<3}  {rec['workload']:<8} {rec['loader']:<9} {rec['mode']:<13}"
     if not rec["ok"]:
         return f"{head} FAILED: {rec['error']}"
     note = []
@@ -122,7 +147,9 @@ def _run_line(i: int, n: int, rec: dict[str, Any]) -> str:
         note.append(f"{rec['leftover_procs']} leftover proc(s) killed")
     return (
         f"{head} {report.fmt_ips(rec['items_per_s']):>12} "
-        f"{report.fmt_ms(rec['ttfb_s']):>8} {report.fmt_mib(rec['peak_tree_rss_bytes']):>10} "
+        f"{report.fmt_ms(rec['ttfb_s']):>8} "
+        f"{report.fmt_us(rec.get('parent_cpu_per_batch_s', math.nan)):>10} "
+        f"{report.fmt_mib(rec['peak_tree_rss_bytes']):>10} "
         f"{rec['child_wall_s']:>5.1f}s  {', '.join(note)}"
     )
 
@@ -157,7 +184,7 @@ def _run_schedule(
             "--url",
             url,
         ]
-        outcome = run_child(child_args, timeout_s=args.timeout)
+        outcome = run_child(child_args, timeout_s=args.timeout, env=startup.child_env())
         rec: dict[str, Any] = {
             "seq": i,
             "workload": w,
@@ -180,6 +207,45 @@ def _run_schedule(
         print(_run_line(i, len(schedule), rec), flush=True)
 
 
+def _startup_probes(
+    workloads: list[str],
+    args: argparse.Namespace,
+    cpu_iters: int,
+    url: str,
+    sizes: dict[str, int],
+) -> list[dict[str, Any]]:
+    """Fresh-process first batches, torch and aioload alternating."""
+    probes: list[dict[str, Any]] = []
+    for rep in range(args.startup_repeats):
+        for w in workloads:
+            for loader in ("torch", "aioload"):
+                rec: dict[str, Any] = {"workload": w, "loader": loader, "repeat": rep}
+                try:
+                    rec |= startup.first_batch(
+                        loader,
+                        w,
+                        WORKLOADS[w].batch_size,
+                        args.num_workers,
+                        cpu_iters,
+                        url,
+                        timeout_s=args.timeout,
+                        max_size=sizes[w],
+                    )
+                    rec["ok"] = True
+                    print(
+                        f"  start-up {w:<8} {loader:<8} first batch "
+                        f"{report.fmt_ms(rec['first_batch_s']):>8} (import "
+                        f"{report.fmt_ms(rec['import_s'])}), later epoch "
+                        f"{report.fmt_ms(rec['later_epoch_first_batch_s']):>8}",
+                        flush=True,
+                    )
+                except (RuntimeError, OSError, ValueError, subprocess.SubprocessError) as exc:
+                    rec |= {"ok": False, "error": str(exc)}
+                    print(f"  start-up {w:<8} {loader:<8} FAILED: {exc}", flush=True)
+                probes.append(rec)
+    return probes
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -194,10 +260,11 @@ def main(argv: list[str] | None = None) -> int:
             "results are meaningless.",
             file=sys.stderr,
         )
+    startup.compile_package()
 
     workloads: list[str] = args.workloads
     modes: list[str] = args.modes
-    min_seconds = args.min_seconds if args.min_seconds is not None else 2.0 * min(1.0, args.scale)
+    min_seconds = args.min_seconds if args.min_seconds is not None else 3.0 * min(1.0, args.scale)
     sizes = {
         w: max(2 * WORKLOADS[w].batch_size, round(WORKLOADS[w].default_size * args.scale))
         for w in workloads
@@ -207,6 +274,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.cpu_iters is not None
         else (calibrate_cpu_iters() if "cpu" in workloads else 0)
     )
+    peers_absent: dict[str, str] = {}
+    peers: list[str] = []
+    for peer in args.peers:
+        why = peer_available(peer)
+        if why is None:
+            peers.append(peer)
+        else:
+            peers_absent[peer] = f"not installed ({why})"
+    peer_workloads = {w.strip() for w in args.peer_workloads.split(",")}
     command = ("AIOLOAD_BENCH_FAKE=1 " if fake else "") + shlex.join(
         ["python", "-m", "aioload.bench", *argv]
     )
@@ -226,24 +302,31 @@ def main(argv: list[str] | None = None) -> int:
             "sample_ms": SAMPLE_PERIOD_S * 1e3,
             "timeout_s": args.timeout,
             "batch_sizes": {w: WORKLOADS[w].batch_size for w in workloads},
+            "peers": peers,
         },
+        "peers_absent": peers_absent,
     }
     print(f"aioload bench: {command}")
     print(
         f"sizes={sizes} cpu_iters={cpu_iters} min_seconds={min_seconds:g} "
-        f"workers={args.num_workers}",
+        f"workers={args.num_workers} peers={','.join(peers) or 'none'}"
+        + "".join(f" [{k}: {v}]" for k, v in peers_absent.items()),
         flush=True,
     )
 
-    schedule: list[tuple[str, int, str, str, str]] = []  # workload, repeat, loader, mode, pair
+    # workload, repeat, loader, mode, pair; within a repeat the loaders alternate.
+    schedule: list[tuple[str, int, str, str, str]] = []
     for w in workloads:
         for rep in range(args.repeats):
-            for mode in modes:
-                schedule.append((w, rep, "torch", "sync", mode))
-                schedule.append((w, rep, "aioload", mode, mode))
+            if not args.no_floor:
+                schedule.append((w, rep, "floor", "sync", "sync"))
+            # One torch run per repeat, compared with every aioload mode.
+            schedule.append((w, rep, "torch", "sync", modes[0]))
+            schedule += [(w, rep, "aioload", mode, mode) for mode in modes]
+            if w in peer_workloads:
+                schedule += [(w, rep, peer, "sync", "sync") for peer in peers]
 
     runs: list[dict[str, Any]] = []
-    print(RUN_HEADER, flush=True)
     t_all = time.monotonic()
     with contextlib.ExitStack() as servers:
         # The http workload reads from one server for all its runs, started here, outside
@@ -251,19 +334,39 @@ def main(argv: list[str] | None = None) -> int:
         url = ""
         if "http" in workloads:
             url = servers.enter_context(object_store(sizes["http"], latency=LATENCY_S))
+        import_stats: dict[str, float] | None = None
+        probes: list[dict[str, Any]] = []
+        if args.import_repeats > 0 and not fake:
+            import_stats = startup.import_overhead(args.import_repeats)
+            print(
+                f"import aioload over import torch: {import_stats['import_s'] * 1e3:.1f} ms wall, "
+                f"{import_stats['import_cpu_s'] * 1e3:.1f} ms CPU (median of "
+                f"{args.import_repeats}); with aioload.DataLoader in hand "
+                f"{import_stats['loader_s'] * 1e3:.1f} ms wall",
+                flush=True,
+            )
+        if args.startup_repeats > 0 and not fake:
+            probes = _startup_probes(workloads, args, cpu_iters, url, sizes)
+        print(RUN_HEADER, flush=True)
         _run_schedule(schedule, sizes, args, cpu_iters, min_seconds, url, runs)
 
-    rows = report.summarize(runs, workloads, modes)
+    rows = report.summarize(runs, workloads, modes, peers_absent)
+    start_summary = report.summarize_startup(probes)
+    found = report.targets(rows, start_summary, import_stats)
     meta["elapsed_s"] = time.monotonic() - t_all
+    meta["import"] = import_stats
+    meta["startup"] = start_summary
+    meta["startup_probes"] = probes
+    meta["targets"] = [asdict(t) for t in found]
     header, body = report.table_rows(rows)
     print()
     print(report.text_table(header, body))
     print(
-        "targets: ratio "
-        + " ".join(f"{w}>={WORKLOADS[w].target_ratio:g}x" for w in workloads)
-        + "; TTFB <= torch; peak RSS <= 1.2x torch"
+        "\ntargets (issue 17; 2 workers; medians of alternating runs):"
         + ("   [FAKE: aioload column is torch]" if fake else "")
     )
+    for target in found:
+        print("  " + target.line())
     if not args.no_write:
         for path in report.write_all(args.out_dir, meta, rows, runs):
             print(f"wrote {path}")

@@ -2,7 +2,8 @@
 
 Usage (internal)::
 
-    python -m aioload.bench._one --loader torch|aioload --mode sync|async-uvloop|async-asyncio \
+    python -m aioload.bench._one --loader torch|aioload|torchdata|spdl|floor \
+        --mode sync|async-uvloop|async-asyncio \
         --workload tiny --size 500000 --batch-size 256 --num-workers 2 --cpu-iters N \
         --min-seconds 2.0
 
@@ -13,8 +14,16 @@ Prints a single JSON object on the last line of stdout.  Timing definitions:
   start-up all count).  ``construct_s`` is the constructor alone.
 * ``items_per_s``: items received *after* the first batch divided by the time between the
   first and the last batch arrival (steady state).
-* One epoch is the norm; only if it is shorter than ``--min-seconds`` further epochs are run
-  (same loader object) and ``epochs`` reports how many.
+* A run stops once its steady state has lasted ``--min-seconds`` (mid-epoch: the datasets are
+  sized so that one epoch lasts longer); only if an epoch ends sooner is another one run (same
+  loader object), and ``epochs`` reports how many.
+* ``parent_cpu_per_batch_s``: CPU time of this process (all its threads, not the workers)
+  between the first and the last batch, per batch: what the loader costs the training process.
+* Loaders: ``torch`` and ``aioload``; the peers ``torchdata`` (``torchdata.nodes``, a
+  process ``ParallelMapper``) and ``spdl`` (``spdl.dataloader.get_pytorch_dataloader``) where
+  installed (the ``bench`` extra); and ``floor``, no loader at all: ``num_workers`` processes
+  that only make the samples and ``torch.stack`` them into a reused shared-memory buffer
+  (:mod:`aioload.bench.floor`).
 """
 
 from __future__ import annotations
@@ -36,7 +45,8 @@ import psutil
 from aioload.bench.workloads import WORKLOADS, count_items, make_dataset, touch
 
 FAKE_ENV = "AIOLOAD_BENCH_FAKE"
-LOADERS = ("torch", "aioload")
+LOADERS = ("torch", "aioload", "torchdata", "spdl", "floor")
+PEERS = ("torchdata", "spdl")
 MODES = ("sync", "async-uvloop", "async-asyncio")
 
 
@@ -54,7 +64,49 @@ def resolve_loader(which: str) -> Callable[..., Any]:
         mod = importlib.import_module("aioload")
         cls: Callable[..., Any] = mod.DataLoader
         return cls
+    if which == "torchdata":
+        return _torchdata_loader
+    if which == "spdl":
+        from spdl.dataloader import get_pytorch_dataloader
+
+        spdl_factory: Callable[..., Any] = get_pytorch_dataloader
+        return spdl_factory
     raise ValueError(f"unknown loader {which!r}")
+
+
+def peer_available(which: str) -> str | None:
+    """None when the peer loader can be imported here, else why not."""
+    module = {"torchdata": "torchdata.nodes", "spdl": "spdl.dataloader"}[which]
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # any import failure means "absent", with its reason
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+class _FetchBatch:
+    """torchdata.nodes map function: indices -> collated batch (picklable, module level)."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __call__(self, indices: list[int]) -> Any:
+        from torch.utils.data import default_collate
+
+        return default_collate([self.dataset[i] for i in indices])
+
+
+def _torchdata_loader(dataset: Any, *, batch_size: int, num_workers: int) -> Any:
+    """torchdata.nodes' equivalent of DataLoader(dataset, batch_size, num_workers): sampler ->
+    batches of indices -> a process ParallelMapper that fetches and collates -> Loader."""
+    from torch.utils.data import SequentialSampler
+    from torchdata.nodes import Batcher, Loader, ParallelMapper, SamplerWrapper
+
+    node: Any = Batcher(SamplerWrapper(SequentialSampler(dataset)), batch_size=batch_size)
+    node = ParallelMapper(
+        node, map_fn=_FetchBatch(dataset), num_workers=num_workers, method="process"
+    )
+    return Loader(node)
 
 
 @dataclass
@@ -69,21 +121,29 @@ class Meter:
     batches: int = 0
     epochs: int = 0
     checksum: int = 0
+    cpu_first: float = 0.0
+    cpu_last: float = 0.0
     lags: list[float] = field(default_factory=list)
 
     def on_batch(self, batch: object) -> None:
         now = time.perf_counter()
+        cpu = time.process_time()
         n = count_items(batch)
         self.checksum += touch(batch)
         if self.batches == 0:
             self.t_first = now
+            self.cpu_first = cpu
             self.first_items = n
         self.t_last = now
+        self.cpu_last = cpu
         self.items += n
         self.batches += 1
 
     def need_more(self, min_seconds: float) -> bool:
         return self.batches > 0 and self.t_last - self.t_first < min_seconds
+
+    def enough(self, min_seconds: float) -> bool:
+        return self.batches > 0 and self.t_last - self.t_first >= min_seconds
 
 
 @dataclass
@@ -106,6 +166,8 @@ def _real_aioload(cfg: RunConfig) -> bool:
 
 def _make_loader(cfg: RunConfig, dataset: object) -> Any:
     cls = resolve_loader(cfg.loader)
+    if cfg.loader in PEERS:
+        return cls(dataset, batch_size=cfg.batch_size, num_workers=cfg.num_workers)
     workload = WORKLOADS.get(cfg.workload)
     extra = dict(workload.aioload_kwargs) if workload and _real_aioload(cfg) else {}
     return cls(dataset, batch_size=cfg.batch_size, num_workers=cfg.num_workers, **extra)
@@ -121,6 +183,8 @@ def run_sync(cfg: RunConfig, dataset: object) -> Meter:
         for batch in loader:
             m.on_batch(batch)
             del batch  # drop our reference before asking for the next batch
+            if m.enough(cfg.min_seconds):
+                break
         if m.epochs >= cfg.max_epochs or not m.need_more(cfg.min_seconds):
             break
     del loader
@@ -160,6 +224,8 @@ async def run_async(cfg: RunConfig, dataset: object) -> Meter:
         async for batch in source:
             m.on_batch(batch)
             del batch
+            if m.enough(cfg.min_seconds):
+                break
         if m.epochs >= cfg.max_epochs or not m.need_more(cfg.min_seconds):
             break
     del loader, source
@@ -177,6 +243,10 @@ def _new_uvloop() -> asyncio.AbstractEventLoop:
 
 
 def measure(cfg: RunConfig) -> dict[str, Any]:
+    if cfg.loader == "floor":
+        from aioload.bench.floor import measure_floor
+
+        return {"config": asdict(cfg), **measure_floor(cfg)}
     dataset = make_dataset(
         cfg.workload, cfg.size, cfg.cpu_iters, asynchronous=_real_aioload(cfg), url=cfg.url
     )
@@ -206,6 +276,9 @@ def measure(cfg: RunConfig) -> dict[str, Any]:
         "steady_items": steady_items,
         "steady_s": steady_s,
         "items_per_s": steady_items / steady_s if steady_s > 0 else float("nan"),
+        "parent_cpu_per_batch_s": (
+            (m.cpu_last - m.cpu_first) / (m.batches - 1) if m.batches > 1 else float("nan")
+        ),
         "ttfb_s": m.t_first - m.t_start,
         "construct_s": m.t_constructed - m.t_start,
         "teardown_s": m.t_done - m.t_last,

@@ -9,7 +9,7 @@ import os
 import platform
 import statistics
 import subprocess
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +19,15 @@ from aioload.bench.workloads import WORKLOADS
 
 TTFB_TARGET = 1.0
 """aioload TTFB must be no worse than torch's (ratio of medians <= 1.0)."""
-RSS_TARGET = 1.2
-"""aioload peak RSS (process tree) must be within 1.2x of torch's."""
+RSS_TARGET = 1.0
+"""aioload peak RSS (process tree) must be no more than torch's."""
+FLOOR_TARGETS: dict[str, float] = {"image": 0.85}
+"""aioload items/s as a fraction of the workload's floor (no loader), where a target is set."""
+IMPORT_TARGET_S = 0.010
+"""``import aioload`` after ``import torch``, median wall time over fresh processes."""
+TINY_PARENT_CPU_BEFORE_S = 195e-6
+"""Parent CPU per tiny batch before issue 17 (its figure, measured on main in a quiet run)."""
+TINY_PARENT_CPU_TARGET_S = TINY_PARENT_CPU_BEFORE_S / 2
 
 
 @dataclass
@@ -39,6 +46,13 @@ class SummaryRow:
     aioload_runs: int
     failures: int
     max_epochs: int
+    # Defaults keep rows from older benchmarks.json files (merged in) loadable.
+    floor_ips: float = math.nan
+    torch_parent_cpu_s: float = math.nan
+    aioload_parent_cpu_s: float = math.nan
+    # Peer loader -> median items/s (NaN: every run failed); absent peers are in `peers_absent`.
+    peer_ips: dict[str, float] = field(default_factory=dict)
+    peers_absent: dict[str, str] = field(default_factory=dict)
 
     @property
     def ratio_ok(self) -> bool:
@@ -52,35 +66,42 @@ class SummaryRow:
     def rss_ok(self) -> bool:
         return self.aioload_rss_bytes <= RSS_TARGET * self.torch_rss_bytes
 
+    def pct_floor(self, ips: float) -> float:
+        return ips / self.floor_ips if self.floor_ips > 0 else math.nan
+
 
 def _median(values: list[float]) -> float:
+    values = [v for v in values if not (isinstance(v, float) and math.isnan(v))]
     return statistics.median(values) if values else math.nan
 
 
 def summarize(
-    runs: list[dict[str, Any]], workloads: list[str], modes: list[str]
+    runs: list[dict[str, Any]],
+    workloads: list[str],
+    modes: list[str],
+    peers_absent: dict[str, str] | None = None,
 ) -> list[SummaryRow]:
     """One row per (workload, aioload mode); the torch side is always its sync runs."""
     rows: list[SummaryRow] = []
     for w in workloads:
-        torch_runs = [r for r in runs if r["workload"] == w and r["loader"] == "torch" and r["ok"]]
+        of_w = [r for r in runs if r["workload"] == w]
+        torch_runs = [r for r in of_w if r["loader"] == "torch" and r["ok"]]
+        floor_runs = [r for r in of_w if r["loader"] == "floor" and r["ok"]]
+        peer_ips = {
+            peer: _median([r["items_per_s"] for r in of_w if r["loader"] == peer and r["ok"]])
+            for peer in dict.fromkeys(r["loader"] for r in of_w)
+            if peer not in ("torch", "aioload", "floor")
+        }
         for mode in modes:
-            aio_all = [
-                r
-                for r in runs
-                if r["workload"] == w and r["loader"] == "aioload" and r["mode"] == mode
-            ]
+            aio_all = [r for r in of_w if r["loader"] == "aioload" and r["mode"] == mode]
             aio = [r for r in aio_all if r["ok"]]
             failures = (
                 len(aio_all)
                 - len(aio)
                 + sum(
                     1
-                    for r in runs
-                    if r["workload"] == w
-                    and r["loader"] == "torch"
-                    and r["pair_mode"] == mode
-                    and not r["ok"]
+                    for r in of_w
+                    if r["loader"] == "torch" and r["pair_mode"] == mode and not r["ok"]
                 )
             )
             t_ips = _median([r["items_per_s"] for r in torch_runs])
@@ -101,6 +122,15 @@ def summarize(
                     aioload_runs=len(aio),
                     failures=failures,
                     max_epochs=max([r["epochs"] for r in torch_runs + aio], default=0),
+                    floor_ips=_median([r["items_per_s"] for r in floor_runs]),
+                    torch_parent_cpu_s=_median(
+                        [r.get("parent_cpu_per_batch_s", math.nan) for r in torch_runs]
+                    ),
+                    aioload_parent_cpu_s=_median(
+                        [r.get("parent_cpu_per_batch_s", math.nan) for r in aio]
+                    ),
+                    peer_ips=peer_ips,
+                    peers_absent=dict(peers_absent or {}),
                 )
             )
     return rows
@@ -117,6 +147,10 @@ def fmt_ms(v: float) -> str:
     return "n/a" if math.isnan(v) else f"{v * 1e3:.0f} ms"
 
 
+def fmt_us(v: float) -> str:
+    return "n/a" if math.isnan(v) else f"{v * 1e6:.0f} us"
+
+
 def fmt_mib(v: float) -> str:
     return "n/a" if math.isnan(v) else f"{v / 2**20:,.0f} MiB"
 
@@ -125,18 +159,35 @@ def fmt_ratio(v: float) -> str:
     return "n/a" if math.isnan(v) else f"{v:.2f}x"
 
 
+def fmt_pct(v: float) -> str:
+    return "" if math.isnan(v) else f" ({100 * v:.0f}%)"
+
+
 def _mark(ok: bool, v: float) -> str:
     return "?" if math.isnan(v) else ("PASS" if ok else "FAIL")
 
 
+def _peer_cell(r: SummaryRow, peer: str) -> str:
+    if peer in r.peers_absent:
+        return "absent"
+    if peer not in r.peer_ips:
+        return "not run"
+    ips = r.peer_ips[peer]
+    return "failed" if math.isnan(ips) else fmt_ips(ips) + fmt_pct(r.pct_floor(ips))
+
+
 def table_rows(rows: list[SummaryRow]) -> tuple[list[str], list[list[str]]]:
+    peers = list(dict.fromkeys(p for r in rows for p in [*r.peer_ips, *r.peers_absent]))
     header = [
         "workload",
         "mode",
-        "torch items/s",
-        "aioload items/s",
+        "floor items/s",
+        "torch items/s (% floor)",
+        "aioload items/s (% floor)",
         "ratio",
         "target",
+        *(f"{p} items/s (% floor)" for p in peers),
+        "parent CPU/batch torch / aioload",
         "TTFB torch / aioload",
         "peak RSS torch / aioload",
         "notes",
@@ -153,10 +204,13 @@ def table_rows(rows: list[SummaryRow]) -> tuple[list[str], list[list[str]]]:
             [
                 r.workload,
                 r.mode,
-                fmt_ips(r.torch_ips),
-                fmt_ips(r.aioload_ips),
+                fmt_ips(r.floor_ips),
+                fmt_ips(r.torch_ips) + fmt_pct(r.pct_floor(r.torch_ips)),
+                fmt_ips(r.aioload_ips) + fmt_pct(r.pct_floor(r.aioload_ips)),
                 fmt_ratio(r.ratio),
                 f">= {r.target_ratio:g}x {_mark(r.ratio_ok, r.ratio)}",
+                *(_peer_cell(r, p) for p in peers),
+                f"{fmt_us(r.torch_parent_cpu_s)} / {fmt_us(r.aioload_parent_cpu_s)}",
                 f"{fmt_ms(r.torch_ttfb_s)} / {fmt_ms(r.aioload_ttfb_s)} "
                 f"{_mark(r.ttfb_ok, r.aioload_ttfb_s)}",
                 f"{fmt_mib(r.torch_rss_bytes)} / {fmt_mib(r.aioload_rss_bytes)} "
@@ -165,6 +219,115 @@ def table_rows(rows: list[SummaryRow]) -> tuple[list[str], list[list[str]]]:
             ]
         )
     return header, body
+
+
+# ---------------------------------------------------------------- issue 17's targets
+
+
+@dataclass
+class Target:
+    name: str
+    figure: str
+    ok: bool | None  # None: not measured in this run
+
+    def line(self) -> str:
+        mark = {True: "PASS", False: "FAIL", None: "n/a "}[self.ok]
+        return f"{mark}  {self.name}: {self.figure}"
+
+
+def summarize_startup(probes: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """workload -> medians of the fresh-process first batch and later-epoch first batch."""
+    out: dict[str, dict[str, float]] = {}
+    for w in dict.fromkeys(p["workload"] for p in probes):
+        cell: dict[str, float] = {}
+        for loader in ("torch", "aioload"):
+            of = [p for p in probes if p["workload"] == w and p["loader"] == loader and p["ok"]]
+            cell[f"{loader}_first_s"] = _median([p["first_batch_s"] for p in of])
+            cell[f"{loader}_later_s"] = _median([p["later_epoch_first_batch_s"] for p in of])
+            cell[f"{loader}_import_s"] = _median([p["import_s"] for p in of])
+        out[w] = cell
+    return out
+
+
+def targets(
+    rows: list[SummaryRow],
+    startup: dict[str, dict[str, float]],
+    import_stats: dict[str, float] | None,
+) -> list[Target]:
+    """Issue 17's targets, each with its figure (medians of alternating runs)."""
+    found: list[Target] = []
+
+    def by_mode(workload: str) -> list[SummaryRow]:
+        return [r for r in rows if r.workload == workload]
+
+    for workload, fraction in FLOOR_TARGETS.items():
+        for r in by_mode(workload):
+            pct = r.pct_floor(r.aioload_ips)
+            found.append(
+                Target(
+                    f"{workload} >= {100 * fraction:.0f}% of its floor ({r.mode})",
+                    f"{100 * pct:.0f}% ({fmt_ips(r.aioload_ips)} of {fmt_ips(r.floor_ips)} items/s)"
+                    if not math.isnan(pct)
+                    else "n/a",
+                    None if math.isnan(pct) else pct >= fraction,
+                )
+            )
+    for workload in ("tiny", "cpu"):
+        for r in by_mode(workload):
+            found.append(
+                Target(
+                    f"{workload} >= {r.target_ratio:g}x torch ({r.mode})",
+                    fmt_ratio(r.ratio),
+                    None if math.isnan(r.ratio) else r.ratio_ok,
+                )
+            )
+    for r in by_mode("tiny"):
+        cpu = r.aioload_parent_cpu_s
+        found.append(
+            Target(
+                f"tiny parent CPU per batch <= {fmt_us(TINY_PARENT_CPU_TARGET_S)} "
+                f"(half of {fmt_us(TINY_PARENT_CPU_BEFORE_S)}) ({r.mode})",
+                f"{fmt_us(cpu)} (torch: {fmt_us(r.torch_parent_cpu_s)})",
+                None if math.isnan(cpu) else cpu <= TINY_PARENT_CPU_TARGET_S,
+            )
+        )
+    for w, cell in startup.items():
+        for key, what in (
+            ("first", "first batch from before `import aioload`, fresh process"),
+            ("later", "a later epoch's first batch, no persistent workers"),
+        ):
+            t, a = cell[f"torch_{key}_s"], cell[f"aioload_{key}_s"]
+            found.append(
+                Target(
+                    f"{w}: {what} <= torch's",
+                    f"{fmt_ms(a)} vs {fmt_ms(t)}",
+                    None if math.isnan(a) or math.isnan(t) else a <= t,
+                )
+            )
+    if import_stats:
+        wall = import_stats["import_s"]
+        found.append(
+            Target(
+                f"`import aioload` <= {IMPORT_TARGET_S * 1e3:g} ms over `import torch`",
+                f"{wall * 1e3:.1f} ms wall, {import_stats['import_cpu_s'] * 1e3:.1f} ms CPU; "
+                f"`aioload.DataLoader` in hand: {import_stats['loader_s'] * 1e3:.1f} ms wall, "
+                f"{import_stats['loader_cpu_s'] * 1e3:.1f} ms CPU",
+                wall <= IMPORT_TARGET_S,
+            )
+        )
+    for w in dict.fromkeys(r.workload for r in rows):
+        r = by_mode(w)[0]
+        if math.isnan(r.aioload_rss_bytes) or math.isnan(r.torch_rss_bytes):
+            continue
+        worst = max(x.aioload_rss_bytes for x in by_mode(w))
+        found.append(
+            Target(
+                f"{w}: peak RSS <= torch's",
+                f"{fmt_mib(worst)} vs {fmt_mib(r.torch_rss_bytes)}",
+                worst <= RSS_TARGET * r.torch_rss_bytes,
+            )
+        )
+    return found
 
 
 def text_table(header: list[str], body: list[list[str]]) -> str:
@@ -348,6 +511,26 @@ def render_markdown(meta: dict[str, Any], rows: list[SummaryRow], png_name: str)
         "",
         f"![aioload/torch throughput ratio]({png_name})",
         "",
+    ]
+    if meta.get("targets"):
+        out += [
+            "## Targets (issue 17)",
+            "",
+            "2 workers on the machine above; medians of alternating runs. These are benchmark "
+            "targets, not timed tests.",
+            "",
+            "```",
+            *(Target(**t).line() for t in meta["targets"]),
+            "```",
+            "",
+        ]
+    if meta.get("peers_absent"):
+        out += [
+            "Peers not measured: "
+            + "; ".join(f"{k}: {v}" for k, v in meta["peers_absent"].items()),
+            "",
+        ]
+    out += [
         "## Workloads",
         "",
         "| workload | samples | batch | workers | what it measures |",
@@ -367,8 +550,9 @@ def render_markdown(meta: dict[str, Any], rows: list[SummaryRow], png_name: str)
         "## Method and targets",
         "",
         "- **items/s**: items received after the first batch / time from first to last batch "
-        "arrival (steady state). One epoch per run; a further epoch is only added when the "
-        f"first one is shorter than {cfg['min_seconds']:g} s (see *notes*).",
+        f"arrival (steady state). A run stops once its steady state has lasted "
+        f"{cfg['min_seconds']:g} s, mid-epoch (each epoch is longer); a further epoch is only "
+        "added where one is shorter (see *notes*).",
         "- **TTFB**: from just before `DataLoader(...)` is constructed (so eager work in the "
         "constructor counts) until the first batch is received, including worker start-up.",
         f"- **peak RSS**: max over samples every {cfg['sample_ms']:g} ms of the summed RSS of "
@@ -377,6 +561,22 @@ def render_markdown(meta: dict[str, Any], rows: list[SummaryRow], png_name: str)
         "both loaders alike.",
         "- Each batch is touched (at most 8 elements are read) and released before the "
         "next one is requested.",
+        "- **floor**: no loader: `num_workers` processes that only make the samples (the same "
+        "dataset, the async one with the same concurrency where aioload reads that) and "
+        "`torch.stack` them into a reused shared-memory buffer (`aioload/bench/floor.py`). "
+        "*% floor* is a loader's items/s over the floor's, from the same invocation.",
+        "- **peers**: `torchdata.nodes` (sampler -> `Batcher` -> process `ParallelMapper` "
+        "that fetches and collates -> `Loader`) and SPDL "
+        "(`spdl.dataloader.get_pytorch_dataloader`), from the `bench` extra.",
+        "- **parent CPU/batch**: CPU time of the training process (all its threads, not "
+        "the workers) from the first to the last batch, per batch.",
+        "- **first batch** (targets): from just before `import aioload` (torch: before "
+        "`from torch.utils.data import DataLoader`; `import torch` is done before, for both) "
+        "to the first batch, in a fresh process (`aioload/bench/_first_batch.py`, run by "
+        "path so nothing of aioload is imported earlier); then one short epoch, and the "
+        "next epoch's first batch from `iter(loader)`, `persistent_workers=False`. "
+        "Bytecode caches are on for both (`PYTHONDONTWRITEBYTECODE` is dropped for the "
+        "children, aioload is compiled first).",
         "- Targets: throughput ratio "
         + ", ".join(f"{w} >= {WORKLOADS[w].target_ratio:g}x" for w in cfg["workloads"])
         + f"; aioload TTFB <= {TTFB_TARGET:g}x torch; aioload peak RSS <= {RSS_TARGET:g}x "
@@ -441,6 +641,25 @@ def merge_previous(
     )
 
 
+SWEEP_BEGIN = "<!-- sweep:begin (make bench-sweep writes this section) -->"
+SWEEP_END = "<!-- sweep:end -->"
+
+
+def replace_block(text: str, block: str) -> str:
+    """``text`` with its sweep section replaced by ``block`` (appended where it has none)."""
+    if SWEEP_BEGIN in text and SWEEP_END in text:
+        head, rest = text.split(SWEEP_BEGIN, 1)
+        tail = rest.split(SWEEP_END, 1)[1]
+        return head + block + tail
+    return text.rstrip("\n") + "\n\n" + block + "\n"
+
+
+def current_block(text: str) -> str:
+    if SWEEP_BEGIN in text and SWEEP_END in text:
+        return SWEEP_BEGIN + text.split(SWEEP_BEGIN, 1)[1].split(SWEEP_END, 1)[0] + SWEEP_END
+    return ""
+
+
 def write_all(
     out_dir: Path, meta: dict[str, Any], rows: list[SummaryRow], runs: list[dict[str, Any]]
 ) -> list[Path]:
@@ -449,9 +668,15 @@ def write_all(
     meta, rows, runs = merge_previous(js, meta, rows, runs)
     write_json(js, meta, rows, runs)
     write_png(png, rows, bool(meta["fake"]))
-    # Keep the "Ray workers" section, which `make bench-ray` writes (aioload/bench/ray.py).
-    ray_section = ""
-    if md.exists() and "<!-- ray-bench:start -->" in (text := md.read_text()):
-        ray_section = "\n<!-- ray-bench:start -->" + text.split("<!-- ray-bench:start -->", 1)[1]
-    md.write_text(render_markdown(meta, rows, png.name) + ray_section)
+    # The sweep's section (make bench-sweep) is kept as it was, and so is the "Ray workers"
+    # section (make bench-ray, aioload/bench/ray.py), appended at the end.
+    old = md.read_text() if md.exists() else ""
+    sweep = current_block(old)
+    text = render_markdown(meta, rows, png.name)
+    text = replace_block(text, sweep) if sweep else text
+    ray_start, ray_end = "<!-- ray-bench:start -->", "<!-- ray-bench:end -->"
+    if ray_start in old and ray_end in old:
+        ray_section = ray_start + old.split(ray_start, 1)[1].split(ray_end, 1)[0] + ray_end
+        text = text.rstrip("\n") + "\n\n" + ray_section + "\n"
+    md.write_text(text)
     return [md, js, png]

@@ -21,8 +21,6 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from aioload.bench.httpserver import file_name
-
 IMAGE_SHAPE: tuple[int, int, int] = (3, 224, 224)
 IMAGE_POOL: int = 4
 """Number of distinct preallocated images the image dataset cycles through."""
@@ -55,6 +53,22 @@ class ImageDataset(Dataset[torch.Tensor]):
         self._pool = torch.randint(
             0, 256, (IMAGE_POOL, *IMAGE_SHAPE), dtype=torch.uint8, generator=gen
         )
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self._pool[index % IMAGE_POOL].clone()
+
+
+class BytesDataset(Dataset[torch.Tensor]):
+    """``n`` uint8 samples of ``nbytes`` each, cloned from a small pool (one memcpy per sample):
+    the sweep's sample-size, batch-size and worker-count axes (``bytes:<nbytes>``)."""
+
+    def __init__(self, n: int, nbytes: int, seed: int = 0) -> None:
+        self.n = n
+        gen = torch.Generator().manual_seed(seed)
+        self._pool = torch.randint(0, 256, (IMAGE_POOL, nbytes), dtype=torch.uint8, generator=gen)
 
     def __len__(self) -> int:
         return self.n
@@ -171,6 +185,8 @@ class HttpDataset(Dataset[torch.Tensor]):
     def __getitem__(self, index: int) -> torch.Tensor:
         import httpx
 
+        from aioload.bench.httpserver import file_name
+
         if self._client is None or self._client[0] != os.getpid():
             self._client = (
                 os.getpid(),
@@ -221,6 +237,8 @@ class AsyncHttpDataset(Dataset[torch.Tensor]):
             await client.aclose()
 
     async def __getitem__(self, index: int) -> torch.Tensor:  # type: ignore[override]
+        from aioload.bench.httpserver import file_name
+
         client = self.clients[index % len(self.clients)]
         response = await client.get("/" + file_name(index))
         response.raise_for_status()
@@ -244,12 +262,13 @@ CONCURRENCY = 32
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
-        Workload("tiny", 1_000_000, 256, 2, 2.0, "scalar tensors, per-batch overhead"),
-        Workload("image", 80_000, 64, 2, 4.0, "uint8 3x224x224, transport bandwidth"),
-        Workload("cpu", 5_000, 32, 2, 1.0, "~1 ms pure Python per sample, compute scaling"),
+        # Sizes: one epoch outlasts a run's 3 s of steady state, which stops mid-epoch.
+        Workload("tiny", 4_000_000, 256, 2, 2.5, "scalar tensors, per-batch overhead"),
+        Workload("image", 400_000, 64, 2, 4.0, "uint8 3x224x224, transport bandwidth"),
+        Workload("cpu", 20_000, 32, 2, 1.0, "~1 ms pure Python per sample, compute scaling"),
         Workload(
             "latency",
-            4_096,
+            16_384,
             32,
             2,
             15.0,
@@ -259,7 +278,7 @@ WORKLOADS: dict[str, Workload] = {
         ),
         Workload(
             "http",
-            2_048,
+            8_192,
             32,
             2,
             5.0,
@@ -277,6 +296,8 @@ def make_dataset(
     """The workload's dataset; ``asynchronous`` picks the async version where there is one."""
     if name == "tiny":
         return TinyDataset(size)
+    if name.startswith("bytes:"):
+        return BytesDataset(size, int(name.split(":", 1)[1]))
     if name == "image":
         return ImageDataset(size)
     if name == "cpu":

@@ -1,0 +1,100 @@
+"""The benchmark harness runs end to end in a tiny mode. No timings are asserted: the bench
+holds the performance claims; this only checks that it runs and prints what it promises."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+
+from aioload.bench import report, sweep
+from aioload.bench.__main__ import main as bench_main
+
+
+def test_tiny_bench_prints_floors_and_targets(
+    no_leaks: Iterator[None], capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = bench_main(
+        [
+            "--workloads",
+            "tiny",
+            "--modes",
+            "sync",
+            "--scale",
+            "0.002",
+            "--min-seconds",
+            "0.2",
+            "--repeats",
+            "1",
+            "--startup-repeats",
+            "1",
+            "--import-repeats",
+            "1",
+            "--peers",
+            "none",
+            "--no-write",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "floor items/s" in out
+    assert "parent CPU/batch" in out
+    # Every target is printed with its figure and a verdict.
+    for needle in (
+        "tiny >= 2.5x torch (sync)",
+        "tiny parent CPU per batch",
+        "first batch from before `import aioload`",
+        "a later epoch's first batch",
+        "`import aioload` <= 10 ms",
+        "tiny: peak RSS <= torch's",
+    ):
+        line = next((ln for ln in out.splitlines() if needle in ln), "")
+        assert line.strip().startswith(("PASS", "FAIL")), (needle, out)
+
+
+def test_targets_judge_the_figures() -> None:
+    row = report.SummaryRow(
+        workload="image",
+        mode="sync",
+        torch_ips=10.0,
+        aioload_ips=90.0,
+        ratio=9.0,
+        target_ratio=4.0,
+        torch_ttfb_s=0.1,
+        aioload_ttfb_s=0.1,
+        torch_rss_bytes=100.0,
+        aioload_rss_bytes=101.0,
+        torch_runs=1,
+        aioload_runs=1,
+        failures=0,
+        max_epochs=1,
+        floor_ips=100.0,
+    )
+    startup = {
+        "image": {
+            "torch_first_s": 0.2,
+            "aioload_first_s": 0.1,
+            "torch_later_s": 0.1,
+            "aioload_later_s": 0.2,
+            "torch_import_s": 0.0,
+            "aioload_import_s": 0.001,
+        }
+    }
+    found = {t.name: t.ok for t in report.targets([row], startup, None)}
+    assert found["image >= 85% of its floor (sync)"] is True
+    assert found["image: first batch from before `import aioload`, fresh process <= torch's"]
+    assert not found["image: a later epoch's first batch, no persistent workers <= torch's"]
+    assert found["image: peak RSS <= torch's"] is False
+    assert math.isclose(row.pct_floor(row.aioload_ips), 0.9)
+
+
+def test_sweep_section_is_replaced_in_place() -> None:
+    block = report.SWEEP_BEGIN + "\nnew\n" + report.SWEEP_END
+    text = "# B\n\nintro\n\n" + report.SWEEP_BEGIN + "\nold\n" + report.SWEEP_END + "\n\nafter\n"
+    replaced = report.replace_block(text, block)
+    assert "new" in replaced and "old" not in replaced and replaced.endswith("after\n")
+    assert report.current_block(replaced) == block
+    assert report.replace_block("# B\n", block).endswith(block + "\n")
+    axes = {p["axis"] for p in sweep.points(quick=False)}
+    assert axes == {"sample size", "batch size", "num_workers"}
