@@ -660,6 +660,17 @@ def current_block(text: str) -> str:
     return ""
 
 
+RAY_BEGIN, RAY_END = "<!-- ray-bench:start -->", "<!-- ray-bench:end -->"
+
+
+def keep_ray_section(old: str, text: str) -> str:
+    """``text`` with the "Ray workers" section of ``old`` (``make bench-ray``) appended."""
+    if RAY_BEGIN not in old or RAY_END not in old:
+        return text
+    section = RAY_BEGIN + old.split(RAY_BEGIN, 1)[1].split(RAY_END, 1)[0] + RAY_END
+    return text.rstrip("\n") + "\n\n" + section + "\n"
+
+
 def write_all(
     out_dir: Path, meta: dict[str, Any], rows: list[SummaryRow], runs: list[dict[str, Any]]
 ) -> list[Path]:
@@ -674,9 +685,5 @@ def write_all(
     sweep = current_block(old)
     text = render_markdown(meta, rows, png.name)
     text = replace_block(text, sweep) if sweep else text
-    ray_start, ray_end = "<!-- ray-bench:start -->", "<!-- ray-bench:end -->"
-    if ray_start in old and ray_end in old:
-        ray_section = ray_start + old.split(ray_start, 1)[1].split(ray_end, 1)[0] + ray_end
-        text = text.rstrip("\n") + "\n\n" + ray_section + "\n"
-    md.write_text(text)
+    md.write_text(keep_ray_section(old, text))
     return [md, js, png]
