@@ -58,9 +58,13 @@ def main() -> None:
     os.environ["RAY_TMPDIR"] = temp_dir
     node_args = {"num_cpus": 1, "temp_dir": temp_dir}
     started = time.perf_counter()
-    cluster = Cluster(
-        initialize_head=True, head_node_args={**node_args, "include_dashboard": False}
-    )
+    try:
+        cluster = Cluster(
+            initialize_head=True, head_node_args={**node_args, "include_dashboard": False}
+        )
+    except BaseException:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
     try:
         cluster.add_node(**node_args)
         ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)

@@ -443,15 +443,22 @@ def test_two_node_cluster_loses_a_node_mid_epoch(
     os.mkdir(os.path.join(temp_dir, "ray"))
     monkeypatch.setenv("RAY_TMPDIR", temp_dir)
     node_args: dict[str, Any] = {"num_cpus": 1, "temp_dir": temp_dir}
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            **node_args,
-            "include_dashboard": False,
-            # Notice a lost node quickly (the default allows 30 s).
-            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3},
-        },
-    )
+    try:
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                **node_args,
+                "include_dashboard": False,
+                # Notice a lost node quickly (the default allows 30 s).
+                "_system_config": {
+                    "health_check_period_ms": 500,
+                    "health_check_failure_threshold": 3,
+                },
+            },
+        )
+    except BaseException:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
     try:
         doomed = cluster.add_node(**node_args)
         ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
