@@ -115,15 +115,21 @@ def _payload(objects: tuple[Any, Any, Any], forking: bool) -> tuple[Any, Any, An
       ``Process.start()`` pickles them while it is spawning, as torch's loader does. That is
       the only time multiprocessing lets a Lock, Event, Condition, Value or Queue of the
       loader's context cross to a child ("... should only be shared between processes through
-      inheritance" otherwise), and it gives the error torch would give where nothing can
-      pickle them. ``start()`` still does not wait for a worker to come up, so the workers
-      start concurrently either way.
+      inheritance" otherwise). ``start()`` still does not wait for a worker to come up, so
+      the workers start concurrently either way.
+    - anything else that cannot be pickled (a thread lock, an open file) cannot be pickled
+      while spawning either: it raises here, before ``Process.start()`` would start
+      multiprocessing's resource tracker (or forkserver) only to fail, leaving that helper
+      process behind.
     """
     if forking:
         return objects
     try:
         return pickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:
+    except RuntimeError as error:
+        # Only the "shared through inheritance" refusal is worth a second try while spawning.
+        if "inheritance" not in str(error):
+            raise
         return objects
 
 

@@ -81,7 +81,9 @@ USER_ERRORS = {
         "TypeError",
         "in encode_batch",
         "pickler.dump(batch)",
-        "TypeError: cannot pickle '_thread.lock' object",
+        # The sample's index and type are named (on_sample_error's raise mode).
+        "index 7 (_thread.lock): TypeError: cannot pickle '_thread.lock' object. Return "
+        "picklable samples, or pass on_sample_error='skip' to skip them",
         SINGLES[:7],
     ),
 }
