@@ -15,12 +15,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import torch
 from torch.utils.data import IterableDataset, SequentialSampler
 
 import aioload
+from tests.helpers import wait_no_children
 from tests.scripts import datasets
 from tests.scripts.datasets import (
     DiesAt,
@@ -133,20 +133,6 @@ def _detached(item: Any) -> Any:
 
 def _values(batches: list[Any]) -> list[list[int]]:
     return [b.flatten().tolist() for b in batches]
-
-
-def _wait_no_children(timeout: float = 5.0) -> list[int]:
-    """Pids of this process's descendants still running after up to ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = [
-            p.pid
-            for p in psutil.Process().children(recursive=True)
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-        ]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.05)
 
 
 @pytest.fixture(autouse=True)
@@ -430,7 +416,7 @@ def test_dead_worker_raises_fast_and_the_loader_recovers(
     assert len(before) <= 4
 
     # The pass is over and every worker is gone, the survivor included.
-    assert _wait_no_children() == []
+    assert wait_no_children() == []
 
     # A new pass over the same loader works (the dataset dies only once).
     out = _epoch(loader, api)
