@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,16 +41,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _values(batches: list[Any]) -> list[list[int]]:
     return [b.flatten().tolist() for b in batches]
-
-
-@pytest.fixture
-def stop_mp_helpers(no_leaks: None) -> Iterator[None]:
-    """spawn and forkserver start multiprocessing's own helper processes (the resource tracker,
-    the fork server), which live as long as the interpreter. Stop them after the test, before
-    the leak check (which depends on this fixture, so it runs last) counts children."""
-    yield
-    multiprocessing.forkserver._forkserver._stop()  # type: ignore[attr-defined]
-    multiprocessing.resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
 
 
 # -- the ways a pass ends --------------------------------------------------------------------
