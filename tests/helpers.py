@@ -29,6 +29,16 @@ def run_on(backend: str, fn: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
     raise ValueError(f"unknown backend {backend!r}")
 
 
+def values(batches: list[Any]) -> list[list[int]]:
+    """Each batch's numbers, flattened: batches compared by content."""
+    return [b.flatten().tolist() for b in batches]
+
+
+def flat(batches: Any) -> list[int]:
+    """Every sample's number across ``batches`` (any iterable of batches), in order."""
+    return [int(x) for batch in batches for x in batch]
+
+
 def alive(pids: list[int] | set[int]) -> list[int]:
     """The pids still running; a zombie (dead, not yet reaped) counts as gone."""
     out = []

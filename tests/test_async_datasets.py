@@ -24,17 +24,13 @@ import torch
 from torch.utils.data import Dataset
 
 import aioload
-from tests.helpers import run_on
+from tests.helpers import flat, run_on
 
 pytestmark = pytest.mark.timeout(60)
 
 
 async def _acollect(loader: Any) -> list[Any]:
     return [batch async for batch in loader]
-
-
-def _flat(batches: list[Any]) -> list[int]:
-    return [int(i) for batch in batches for i in batch]
 
 
 # -- datasets ------------------------------------------------------------------------------
@@ -481,7 +477,7 @@ def test_inline_seed_per_sample_leaves_the_callers_rng_alone(no_leaks: None) -> 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_async_iterable_every_sample_once(num_workers: int, no_leaks: None) -> None:
     loader = aioload.DataLoader(Counting(50), batch_size=4, num_workers=num_workers)
-    assert sorted(_flat(list(loader))) == list(range(50))
+    assert sorted(flat(list(loader))) == list(range(50))
     loader = aioload.DataLoader(Counting(50), batch_size=4, num_workers=num_workers, drop_last=True)
     assert all(len(b) == 4 for b in loader)
 
@@ -495,20 +491,20 @@ def test_async_iterable_resume(
         ds: Any = dataset_class(60)  # type: ignore[call-arg]
         return aioload.DataLoader(ds, batch_size=4, num_workers=num_workers)
 
-    full = _flat(list(make()))
+    full = flat(list(make()))
     loader = make()
     it = iter(loader)
-    head = _flat([next(it) for _ in range(5)])
+    head = flat([next(it) for _ in range(5)])
     state = loader.state_dict()
     del it
     resumed = make()
     resumed.load_state_dict(state)
-    tail = _flat(list(resumed))
+    tail = flat(list(resumed))
     assert head + tail == full
 
 
 def test_async_iterable_resume_under_async_for(no_leaks: None) -> None:
-    full = _flat(list(aioload.DataLoader(StatefulCounting(40), batch_size=3, num_workers=2)))
+    full = flat(list(aioload.DataLoader(StatefulCounting(40), batch_size=3, num_workers=2)))
 
     async def main() -> list[int]:
         loader = aioload.DataLoader(StatefulCounting(40), batch_size=3, num_workers=2)
@@ -519,7 +515,7 @@ def test_async_iterable_resume_under_async_for(no_leaks: None) -> None:
             state = loader.state_dict()
         resumed = aioload.DataLoader(StatefulCounting(40), batch_size=3, num_workers=2)
         resumed.load_state_dict(state)
-        return _flat(head) + _flat(await _acollect(resumed))
+        return flat(head) + flat(await _acollect(resumed))
 
     assert run_on("uvloop", main) == full
 
@@ -531,7 +527,7 @@ def test_async_context_entered_once_per_worker_and_exited(tmp_path: Path, no_lea
     loader = aioload.DataLoader(
         WithSession(tmp_path, n=64), batch_size=4, num_workers=2, worker_concurrency=4
     )
-    assert _flat(list(loader)) == list(range(64))
+    assert flat(list(loader)) == list(range(64))
     entered = _events(tmp_path, "enter")
     assert len(entered) == 2 and len(set(entered)) == 2  # one per worker process
     assert _events(tmp_path, "exit") == entered  # each exited, on shutdown
@@ -542,7 +538,7 @@ def test_async_context_with_persistent_workers(tmp_path: Path, no_leaks: None) -
         WithSession(tmp_path), batch_size=4, num_workers=2, persistent_workers=True
     )
     for _ in range(3):
-        assert _flat(list(loader)) == list(range(16))
+        assert flat(list(loader)) == list(range(16))
     assert len(_events(tmp_path, "enter")) == 2  # not once per epoch
     assert _events(tmp_path, "exit") == []
     loader.shutdown()
@@ -556,7 +552,7 @@ def test_shutdown_with_fetches_in_flight_still_exits_the_context(
         WithSession(tmp_path, n=32, hang_at=9), batch_size=4, num_workers=2, worker_concurrency=4
     )
     it = iter(loader)
-    assert _flat([next(it), next(it)]) == list(range(8))
+    assert flat([next(it), next(it)]) == list(range(8))
     it.close()  # worker 0 is stuck in sample 9: the fetch is cancelled, the context exited
     # Two exit events, not a time bound, are the proof: a worker killed after the shutdown
     # grace period, still stuck in the hour-long fetch, would never write its own.
@@ -567,9 +563,9 @@ def test_shutdown_with_fetches_in_flight_still_exits_the_context(
 def test_async_context_inline(door: str, tmp_path: Path, no_leaks: None) -> None:
     loader = aioload.DataLoader(WithSession(tmp_path), batch_size=4)
     if door == "for":
-        assert _flat(list(loader)) == list(range(16))
+        assert flat(list(loader)) == list(range(16))
     else:
-        assert _flat(run_on("trio", lambda: _acollect(loader))) == list(range(16))
+        assert flat(run_on("trio", lambda: _acollect(loader))) == list(range(16))
     assert len(_events(tmp_path, "enter")) == 1
     assert len(_events(tmp_path, "exit")) == 1
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import aioload
-from tests.helpers import alive, children, run_on, wait_gone, wait_no_children
+from tests.helpers import alive, children, run_on, values, wait_gone, wait_no_children
 from tests.scripts.datasets import LazyFile, Noisy, Pids, Slow, SlowAt, Squares
 
 pytestmark = pytest.mark.timeout(60)
@@ -37,10 +37,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-def _values(batches: list[Any]) -> list[list[int]]:
-    return [b.flatten().tolist() for b in batches]
 
 
 # -- the ways a pass ends --------------------------------------------------------------------
@@ -510,4 +506,4 @@ def test_abandoned_pass_is_not_finalized_inside_a_later_worker(
         gc.enable()
         gc.collect()
     assert error is None, error
-    assert _values(batches) == [[i, 10] for i in range(6)]
+    assert values(batches) == [[i, 10] for i in range(6)]
