@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint docs bench bench-sweep bench-gpu test-gpu soak unit clean
+.PHONY: install run test lint docs bench bench-sweep bench-ray bench-gpu test-gpu soak unit clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ test: lint docs unit
 bench: install
 	$(PY) -m aioload.bench
 	$(PY) -m aioload.bench.seeding --json docs/seeding.json
+
+# 2 Ray actors vs 2 local workers vs torch's DataLoader (cpu and image), inside a loopback-only
+# network namespace (it re-runs itself under `unshare -n`); rows into docs/benchmarks.md.
+bench-ray: install
+	$(PY) -m aioload.bench.ray --json docs/benchmarks_ray.json --docs
 
 # How the cost grows with sample size, batch size and num_workers; writes the sweep section of
 # docs/benchmarks.md and docs/benchmarks-sweep.{json,png}. About 5 minutes.

@@ -9,7 +9,11 @@ plain description, and this module (and Ray) is imported only when a pass starts
 - **The dataset travels once.** ``(dataset, collate_fn, worker_init_fn)`` is put in the object
   store once per loader (``ray.put``); every actor, and every replacement, reads that object.
 - **Batches come back through the object store**, as the return value of the method call: on the
-  same node Ray maps numpy buffers without a copy; across nodes Ray moves them.
+  same node Ray maps numpy buffers without a copy; across nodes Ray moves them. Ray pickles a
+  torch tensor in-band by default (torch's reducer copies the storage into bytes, the object
+  store copies those, and unpickling copies them again), so each CPU tensor of a batch travels
+  as a ``_TensorBytes``: its bytes as a numpy uint8 array, which Ray writes out of band once
+  and the driver maps from the store without a copy (``torch.from_numpy``).
 - **Waiting never blocks the event loop.** One thread per backend waits in ``ray.wait`` on the
   outstanding results and writes a byte to a pipe when some are ready; the orchestrator awaits
   that pipe (and the pin stage's) through one selector, like the process pool's, so asyncio,
@@ -27,6 +31,7 @@ import os
 import selectors
 import threading
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +61,9 @@ __all__ = ["RayBackend"]
 # How long one ray.wait in the waiter thread blocks before it looks for new results to watch.
 _WAIT_SLICE_S = 0.05
 _HEALTH_CHECK_S = 1.0
+# How long the backend's start waits for its actors to report their node (a cluster without
+# free resources may take longer; the actors then report later, in stats).
+_START_WAIT_S = 30.0
 
 
 class _ActorImpl:
@@ -91,7 +99,7 @@ class _ActorImpl:
             wire = result
         else:
             stream = result.stream
-            wire = ValueBatch(result.data)
+            wire = ValueBatch(to_wire(result.data))
         return Reply(task.task_id, task.generation, wire, stream, time.perf_counter() - started, [])
 
 
@@ -154,8 +162,74 @@ class _AsyncActorImpl(_ActorImpl):
             wire = result
         else:
             stream = result.stream
-            wire = ValueBatch(result.data)
+            wire = ValueBatch(to_wire(result.data))
         return Reply(task.task_id, task.generation, wire, stream, time.perf_counter() - started, [])
+
+
+class _TensorBytes:
+    """A CPU tensor on the wire: its bytes as a uint8 numpy array (pickled out of band by Ray,
+    mapped from the object store on the same node), and what it takes to view them again."""
+
+    __slots__ = ("data", "dtype", "shape")
+
+    def __init__(self, data: Any, dtype: Any, shape: tuple[int, ...]) -> None:
+        self.data = data
+        self.dtype = dtype
+        self.shape = shape
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (_TensorBytes, (self.data, self.dtype, self.shape))
+
+
+def _plain_tensor(value: Any) -> bool:
+    import torch
+
+    return (
+        type(value) is torch.Tensor
+        and value.layout == torch.strided
+        and value.device.type == "cpu"
+        and not value.requires_grad
+        and not value.is_quantized
+        and not value.is_conj()
+        and not value.is_neg()
+    )
+
+
+def to_wire(value: Any) -> Any:
+    """``value`` with every plain CPU tensor (in lists, tuples, named tuples and dicts) as a
+    ``_TensorBytes``; anything else is left to Ray's serializer."""
+    if _plain_tensor(value):
+        import torch
+
+        flat = value.contiguous().reshape(-1).view(torch.uint8)
+        return _TensorBytes(flat.numpy(), value.dtype, tuple(value.shape))
+    return _map_containers(value, to_wire)
+
+
+def from_wire(value: Any) -> Any:
+    """The inverse of ``to_wire``: tensors viewing the received buffers, without a copy."""
+    if isinstance(value, _TensorBytes):
+        import torch
+
+        with warnings.catch_warnings():
+            # The buffer is the object store's, which numpy marks read-only; the tensor is the
+            # batch's only owner from here on, as a local worker's shared-memory batch is.
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.from_numpy(value.data)
+        return flat.view(value.dtype).reshape(value.shape)
+    return _map_containers(value, from_wire)
+
+
+def _map_containers(value: Any, convert: Any) -> Any:
+    if isinstance(value, list):
+        return [convert(v) for v in value]
+    if isinstance(value, tuple):
+        if hasattr(value, "_fields"):  # a named tuple
+            return type(value)(*(convert(v) for v in value))
+        return tuple(convert(v) for v in value)
+    if type(value) is dict:
+        return {k: convert(v) for k, v in value.items()}
+    return value
 
 
 @dataclass
@@ -165,6 +239,7 @@ class _Slot:
     actor: Any
     incarnation: int
     where: Any = None  # ObjectRef of (pid, node id, node ip)
+    description: str | None = None
 
 
 @dataclass
@@ -232,12 +307,24 @@ class RayBackend:
         self.selector.register(self._wake_r, selectors.EVENT_READ, "ray")
         self._wake_fd: int | None = None
         self._stop = threading.Event()
+        self._submitted = threading.Event()
+        # Results the waiter has seen ready (it watches the others); under ``_lock``.
+        self._seen: set[Any] = set()
         try:
             for worker_id in range(self.num_workers):
                 self.slots.append(self._start_actor(worker_id))
         except BaseException:
             self.close()
             raise
+        # The start runs off the event loop (or in the sync iterator's own): wait here, bounded,
+        # until the actors are up, so the first stats and error messages can name their nodes.
+        # The first batch waits for the actors' start anyway.
+        with contextlib.suppress(Exception):
+            ray.wait(
+                [slot.where for slot in self.slots],
+                num_returns=len(self.slots),
+                timeout=_START_WAIT_S,
+            )
         self._waiter = threading.Thread(target=self._watch_results, name="aioload-ray", daemon=True)
         self._waiter.start()
 
@@ -298,6 +385,7 @@ class RayBackend:
             self._pending[ref] = _Pending(
                 worker_id, slot.incarnation, task_id, self.generation, indices
             )
+        self._submitted.set()
 
     def poll(self) -> list[Event]:
         self._drain_wake()
@@ -316,6 +404,13 @@ class RayBackend:
                 continue  # a replaced actor's late answer
             try:
                 reply: Reply = self._ray.get(ref, timeout=0)
+            except self._ray.exceptions.GetTimeoutError:
+                # Ready but not here yet (evicted or still in transfer): watch it again.
+                with self._lock:
+                    self._pending[ref] = pending
+                    self._seen.discard(ref)
+                self._submitted.set()
+                continue
             except self._ray.exceptions.RayActorError:
                 lost_now.setdefault(pending.worker_id, []).append(pending)
                 continue
@@ -329,7 +424,7 @@ class RayBackend:
             result = reply.result
             outcome: Any
             if isinstance(result, ValueBatch):
-                outcome = Batch(result.value)
+                outcome = Batch(from_wire(result.value))
             elif isinstance(result, Failure):
                 if getattr(result.error, "from_init", False):
                     self.retired = True
@@ -397,12 +492,22 @@ class RayBackend:
         return self._describe(self.slots[worker_id])
 
     def _describe(self, slot: _Slot) -> str:
-        actor_id = slot.actor._actor_id.hex()[:12]
-        try:
-            pid, node_id, node_ip = self._ray.get(slot.where, timeout=0.5)
-        except Exception:
-            return f"Ray actor {actor_id}, node unknown"
-        return f"Ray actor {actor_id}, pid {pid}, node {node_id[:12]} at {node_ip}"
+        # Never waits: this runs on the event loop (stats, a loss, a restart). An actor that has
+        # not answered ``where`` yet is still starting.
+        if slot.description is None:
+            actor_id = slot.actor._actor_id.hex()[:12]
+            ready, _ = self._ray.wait([slot.where], timeout=0, fetch_local=True)
+            if not ready:
+                return f"Ray actor {actor_id}, starting (node not known yet)"
+            try:
+                pid, node_id, node_ip = self._ray.get(slot.where, timeout=0)
+            except Exception:
+                slot.description = f"Ray actor {actor_id}, node unknown"
+            else:
+                slot.description = (
+                    f"Ray actor {actor_id}, pid {pid}, node {node_id[:12]} at {node_ip}"
+                )
+        return slot.description
 
     def nodes(self) -> list[str]:
         """The node each worker's actor runs on (for stats)."""
@@ -421,6 +526,7 @@ class RayBackend:
         self.retired = True
         # The waiter first (bounded by one ray.wait slice), then every actor we made.
         self._stop.set()
+        self._submitted.set()
         waiter = getattr(self, "_waiter", None)
         if waiter is not None and threading.current_thread() is not waiter:
             waiter.join(timeout=2.0)
@@ -440,23 +546,34 @@ class RayBackend:
     # -- the waiter thread -------------------------------------------------------------------
 
     def _watch_results(self) -> None:
-        seen: set[Any] = set()
+        seen = self._seen
         while not self._stop.is_set():
             with self._lock:
                 refs = [ref for ref in self._pending if ref not in seen]
+                self._submitted.clear()
             if not refs:
-                self._stop.wait(0.005)
+                # ``submit`` sets this, so a new result is watched at once, not a poll later.
+                self._submitted.wait(_WAIT_SLICE_S)
                 continue
             try:
-                done, _ = self._ray.wait(
-                    refs, num_returns=len(refs), timeout=_WAIT_SLICE_S, fetch_local=False
+                # As soon as one is ready (not when all are: a ready batch must not wait for
+                # the slowest in flight), then every other that is ready by now. fetch_local:
+                # ready means here, pulled from the actor's node, so ``poll`` never waits.
+                done, rest = self._ray.wait(
+                    refs, num_returns=1, timeout=_WAIT_SLICE_S, fetch_local=True
                 )
+                if done and rest:
+                    more, _ = self._ray.wait(
+                        rest, num_returns=len(rest), timeout=0, fetch_local=True
+                    )
+                    done = done + more
             except Exception:
                 if self._stop.is_set():
                     return
                 continue
             if done:
-                seen.update(done)
+                with self._lock:
+                    seen.update(done)
                 self._ready.extend(done)
                 with contextlib.suppress(BlockingIOError, OSError):
                     os.write(self._wake_w, b"\0")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +99,28 @@ def test_sweep_section_is_replaced_in_place() -> None:
     assert report.replace_block("# B\n", block).endswith(block + "\n")
     axes = {p["axis"] for p in sweep.points(quick=False)}
     assert axes == {"sample size", "batch size", "num_workers"}
+
+
+def test_the_ray_section_is_kept_and_replaced_in_place(tmp_path: Path) -> None:
+    from aioload.bench import ray as bench_ray
+
+    old = "# B\n\n" + report.RAY_BEGIN + "\n## Ray workers\nOLD-ROWS\n" + report.RAY_END + "\n"
+    kept = report.keep_ray_section(old, "# B, regenerated\n")
+    assert (
+        kept.startswith("# B, regenerated\n")
+        and "OLD-ROWS" in kept
+        and kept.endswith(report.RAY_END + "\n")
+    )
+    assert report.keep_ray_section("# B\n", "new\n") == "new\n"
+    page = tmp_path / "benchmarks.md"
+    page.write_text(kept + "\nafter\n")
+    rows = [
+        bench_ray.Row(w, k, 32, 32 * 8, rate, 0.002, [rate])
+        for w in ("cpu",)
+        for k, rate in (("ray", 950.0), ("local", 1000.0), ("torch", 900.0))
+    ]
+    bench_ray._write_docs(rows, "", page)
+    text = page.read_text()
+    assert "OLD-ROWS" not in text and text.count("## Ray workers") == 1
+    assert "| cpu (batch 32) | ray | 950 | 0.95x | 2.000 ms | 500 batches/s |" in text
+    assert "**0.95x** (target >= 0.9x: PASS)" in text and text.endswith("after\n")

@@ -660,6 +660,17 @@ def current_block(text: str) -> str:
     return ""
 
 
+RAY_BEGIN, RAY_END = "<!-- ray-bench:start -->", "<!-- ray-bench:end -->"
+
+
+def keep_ray_section(old: str, text: str) -> str:
+    """``text`` with the "Ray workers" section of ``old`` (``make bench-ray``) appended."""
+    if RAY_BEGIN not in old or RAY_END not in old:
+        return text
+    section = RAY_BEGIN + old.split(RAY_BEGIN, 1)[1].split(RAY_END, 1)[0] + RAY_END
+    return text.rstrip("\n") + "\n\n" + section + "\n"
+
+
 def write_all(
     out_dir: Path, meta: dict[str, Any], rows: list[SummaryRow], runs: list[dict[str, Any]]
 ) -> list[Path]:
@@ -668,8 +679,11 @@ def write_all(
     meta, rows, runs = merge_previous(js, meta, rows, runs)
     write_json(js, meta, rows, runs)
     write_png(png, rows, bool(meta["fake"]))
-    # The sweep's section (make bench-sweep) is kept as it was.
-    sweep = current_block(md.read_text()) if md.exists() else ""
+    # The sweep's section (make bench-sweep) is kept as it was, and so is the "Ray workers"
+    # section (make bench-ray, aioload/bench/ray.py), appended at the end.
+    old = md.read_text() if md.exists() else ""
+    sweep = current_block(old)
     text = render_markdown(meta, rows, png.name)
-    md.write_text(replace_block(text, sweep) if sweep else text)
+    text = replace_block(text, sweep) if sweep else text
+    md.write_text(keep_ray_section(old, text))
     return [md, js, png]

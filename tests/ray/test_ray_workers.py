@@ -260,8 +260,10 @@ def test_persistent_workers_keep_their_actors(ray_workers: aioload.RayWorkers) -
 def test_killed_actors_are_replaced_and_every_index_arrives_once(
     ray_workers: aioload.RayWorkers,
 ) -> None:
-    # The issue asks 20; each replacement actor is a new process that imports torch, about
-    # 4 s on the 2-core CI machine, so 20 would take most of the Ray tests' 3-minute budget.
+    # The issue asks 20. Each replacement actor is a new process that imports torch and reads
+    # the dataset: 10 kills took 36.7 s here (3.7 s per kill and replacement, on the shared
+    # 2-core machine), so 20 would add about 37 s to a folder that takes ~140 s, past the
+    # 3-minute budget. A standby actor would not help on a 2 x 1 CPU cluster (no free CPU).
     kills_wanted = 10
     loader = aioload.DataLoader(
         Numbers(120, delay=0.002),
@@ -310,3 +312,183 @@ def test_a_killed_actor_without_restarts_names_worker_node_and_indices(
     assert "DataLoader worker" in message and "Ray actor" in message
     assert "node" in message and "held indices [[" in message
     del it
+
+
+class Frames(Dataset[torch.Tensor]):
+    """0.6 MB batches of 16 (above Ray's inline limit, so they travel through the object store),
+    with a little latency, as a decoder would have."""
+
+    def __init__(self, n: int = 160) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(0.0005)
+        return torch.full((3, 64, 64), i % 251, dtype=torch.uint8)
+
+
+def _mapping_of(address: int) -> str:
+    """The /proc/self/maps name of the mapping holding ``address`` ('' for anonymous)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(None, 5)
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if start <= address < end:
+            return fields[5] if len(fields) > 5 else ""
+    return "unmapped"
+
+
+@inner
+def test_loop_never_stalls_and_batches_are_mapped_from_the_object_store(
+    ray_workers: aioload.RayWorkers,
+) -> None:
+    import anyio
+
+    loader = aioload.DataLoader(
+        Frames(), batch_size=16, num_workers=2, workers=ray_workers, persistent_workers=True
+    )
+    mappings: list[str] = []
+
+    async def one_pass() -> tuple[float, int]:
+        gaps: list[float] = []
+        done = anyio.Event()
+
+        async def heartbeat() -> None:
+            last = time.perf_counter()
+            while not done.is_set():
+                await anyio.sleep(0.001)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        batches = 0
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(heartbeat)
+            async for batch in loader:
+                if batches == 0:
+                    gaps.clear()  # from the first batch on: the actors' start is not streaming
+                    mappings.append(_mapping_of(batch.data_ptr()))
+                batches += 1
+                assert int(batch[0, 0, 0, 0]) == (batches - 1) * 16 % 251
+            done.set()
+        return max(gaps), batches
+
+    async def three_passes() -> list[tuple[float, int]]:
+        return [await one_pass() for _ in range(3)]
+
+    results = anyio.run(three_passes)
+    loader.shutdown()
+    assert all(batches == 10 for _, batches in results)
+    # As for local workers (tests/test_async.py): a one-off scheduling hiccup on a shared 2-core
+    # machine is not a stall of ours; the bound must hold in at least one of three passes.
+    best = min(stall for stall, _ in results)
+    assert best < 0.020, f"heartbeat stalled {best * 1e3:.1f} ms (runs: {results})"
+    # The batch's memory is Ray's object store (a /dev/shm plasma file), not a heap copy that
+    # unpickling made: the tensor is a view of the buffer the actor wrote, without a copy.
+    assert all("plasma" in m for m in mappings), f"batch memory is in {mappings}"
+
+
+class Noisy(Dataset[torch.Tensor]):
+    """Draws from torch, random and numpy: what ``seed_per_sample`` makes reproducible."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        import random
+
+        import numpy as np
+
+        return torch.cat(
+            [torch.rand(3), torch.tensor([random.random(), float(np.random.rand())])]
+        ).double()
+
+
+@inner
+def test_seed_per_sample_batches_are_byte_identical_to_local_workers(
+    ray_workers: aioload.RayWorkers,
+) -> None:
+    def batches(workers: aioload.RayWorkers | None, num_workers: int) -> list[bytes]:
+        loader = aioload.DataLoader(
+            Noisy(),
+            batch_size=4,
+            num_workers=num_workers,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(7),
+            seed_per_sample=True,
+            workers=workers,
+        )
+        return [b.numpy().tobytes() for b in loader]
+
+    local = batches(None, 2)
+    assert batches(ray_workers, 2) == local
+    # A different topology too: which worker fetched a sample does not matter.
+    assert batches(ray_workers, 1) == local
+    assert len(set(local)) == len(local)
+
+
+# Last in the module: it ends the module's one-node session to start a two-node cluster.
+@inner
+@pytest.mark.timeout(120)
+def test_two_node_cluster_loses_a_node_mid_epoch(
+    ray_session: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ray.cluster_utils import Cluster
+
+    ray = ray_session
+    ray.shutdown()
+    temp_dir = tempfile.mkdtemp(prefix="aiocl-", dir="/tmp")
+    # Cluster records its address in $RAY_TMPDIR/ray/ray_current_cluster: keep that private.
+    os.mkdir(os.path.join(temp_dir, "ray"))
+    monkeypatch.setenv("RAY_TMPDIR", temp_dir)
+    node_args: dict[str, Any] = {"num_cpus": 1, "temp_dir": temp_dir}
+    try:
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                **node_args,
+                "include_dashboard": False,
+                # Notice a lost node quickly (the default allows 30 s).
+                "_system_config": {
+                    "health_check_period_ms": 500,
+                    "health_check_failure_threshold": 3,
+                },
+            },
+        )
+    except BaseException:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
+    try:
+        doomed = cluster.add_node(**node_args)
+        ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+        loader = aioload.DataLoader(
+            Numbers(60, delay=0.01),
+            batch_size=2,
+            num_workers=2,
+            workers=aioload.RayWorkers(num_cpus=1),
+            max_worker_restarts=1,
+        )
+        got: list[int] = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for k, batch in enumerate(loader):
+                got.extend(int(i) for i in batch[:, 0])
+                if k == 3:
+                    nodes = {a.node_id for a in _alive_actors()}
+                    assert nodes == {cluster.head_node.node_id, doomed.node_id}, "one per node"
+                    cluster.remove_node(doomed)
+                    # The autoscaler's part: a node with a free CPU for the replacement.
+                    cluster.add_node(**node_args)
+        assert got == list(range(60)), "every index exactly once, in order"
+        assert len([w for w in caught if "replaced it with a new worker" in str(w.message)]) == 1
+        del loader
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while _alive_actors() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _alive_actors() == [], "actors left behind"
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
