@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 from collections.abc import Iterator
 
@@ -68,3 +70,16 @@ def no_leaks() -> Iterator[None]:
     # A few descriptors may be opened lazily by libraries (e.g. anyio's thread pool, uvloop);
     # a leak of worker sockets or slabs would show as many more.
     assert _fds() - fds_before <= 4, f"descriptor growth: {fds_before} -> {_fds()}"
+
+
+@pytest.fixture
+def stop_mp_helpers(no_leaks: None) -> Iterator[None]:
+    """spawn and forkserver start multiprocessing's own helpers (the resource tracker, the
+    fork server), which live as long as the interpreter: stop them after the test, before the
+    leak check (which this fixture depends on, so it runs last) counts children.
+    The tracker leaves only when no process holds its pipe any more, so a pass kept alive by
+    a caught exception's traceback is collected first (its workers inherited that pipe)."""
+    yield
+    gc.collect()
+    multiprocessing.forkserver._forkserver._stop()  # type: ignore[attr-defined]
+    multiprocessing.resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]

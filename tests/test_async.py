@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine
 from typing import Any
 
 import anyio
 import pytest
 import torch
-import uvloop
 from torch.utils.data import Dataset
 
 import aioload
+from tests.helpers import run_on
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,15 +44,6 @@ async def _collect(loader: aioload.DataLoader[Any]) -> list[int]:
     return seen
 
 
-def _run(backend: str, fn: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
-    if backend == "asyncio":
-        return asyncio.run(fn())
-    if backend == "uvloop":
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(fn())
-    return anyio.run(fn, backend="trio")
-
-
 BACKENDS = ["asyncio", "uvloop", "trio"]
 
 
@@ -65,7 +55,7 @@ def test_async_for_each_backend(backend: str, num_workers: int, no_leaks: None) 
     async def main() -> list[int]:
         return await _collect(loader)
 
-    assert _run(backend, main) == list(range(100))
+    assert run_on(backend, main) == list(range(100))
 
 
 @pytest.mark.asyncio
@@ -130,7 +120,7 @@ def test_loop_never_stalls_while_batches_stream(
 
     # A one-off scheduling hiccup on a shared 2-core machine is not a stall of ours; the bound
     # must hold in at least one of three full passes, and in practice holds in all.
-    results = [_run(backend, main) for _ in range(3)]
+    results = [run_on(backend, main) for _ in range(3)]
     assert all(batches == 15 for _, batches in results)
     best = min(stall for stall, _ in results)
     assert best < 0.020, f"heartbeat stalled {best * 1000:.1f} ms (runs: {results})"
@@ -158,7 +148,7 @@ def test_two_loaders_share_one_loop(backend: str, no_leaks: None) -> None:
             tg.start_soon(consume, "fast", fast)
         return results["slow"], results["fast"], events
 
-    slow_seen, fast_seen, events = _run(backend, main)
+    slow_seen, fast_seen, events = run_on(backend, main)
     assert slow_seen == list(range(24)) and fast_seen == list(range(48))
     # The slow loader was started first; had the two taken turns, the fast one would finish
     # last. It finishes first: waiting on one loader never holds up the other.

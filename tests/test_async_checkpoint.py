@@ -10,59 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine
 from typing import Any
 
 import anyio
 import psutil
 import pytest
-import torch
-import uvloop
-from torch.utils.data import Dataset
 
 import aioload
+from tests.helpers import run_on
+from tests.scripts.datasets import Scalars
 
 pytestmark = pytest.mark.timeout(60)
 
 BACKENDS = ["asyncio", "uvloop", "trio"]
 BODY_S = 0.005
-
-
-class Small(Dataset[torch.Tensor]):
-    def __init__(self, n: int, delay: float = 0.0) -> None:
-        self.n = n
-        self.delay = delay
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        if self.delay:
-            time.sleep(self.delay)
-        return torch.tensor(i)
-
-
-class FailsAt(Dataset[torch.Tensor]):
-    def __init__(self, n: int, bad: int) -> None:
-        self.n = n
-        self.bad = bad
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        if i == self.bad:
-            raise ValueError(f"bad sample {i}")
-        return torch.tensor(i)
-
-
-def _run(backend: str, fn: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
-    if backend == "asyncio":
-        return asyncio.run(fn())
-    if backend == "uvloop":
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(fn())
-    return anyio.run(fn, backend="trio")
 
 
 def _workers() -> list[psutil.Process]:
@@ -116,7 +77,7 @@ async def _stream(loader: aioload.DataLoader[Any]) -> tuple[float, int, int]:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_heartbeat_runs_between_ready_batches(backend: str, no_leaks: None) -> None:
-    loader = aioload.DataLoader(Small(240), batch_size=4, num_workers=2, persistent_workers=True)
+    loader = aioload.DataLoader(Scalars(240), batch_size=4, num_workers=2, persistent_workers=True)
 
     async def main() -> tuple[float, int, int]:
         return await _stream(loader)
@@ -125,7 +86,7 @@ def test_heartbeat_runs_between_ready_batches(backend: str, no_leaks: None) -> N
     # of three passes. The tick count holds in every pass: before, the heartbeat did not run
     # once in an epoch. (Under asyncio a timer wakes its task one loop iteration after it
     # fires, and each iteration here runs one body, so it ticks every two or three batches.)
-    results = [_run(backend, main) for _ in range(3)]
+    results = [run_on(backend, main) for _ in range(3)]
     loader.shutdown()
     for _stall, ticks, batches in results:
         assert batches == 60
@@ -136,7 +97,7 @@ def test_heartbeat_runs_between_ready_batches(backend: str, no_leaks: None) -> N
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_deadline_ends_the_pass_and_a_sibling_wakes_on_time(backend: str, no_leaks: None) -> None:
-    loader = aioload.DataLoader(Small(100_000), batch_size=4, num_workers=2)
+    loader = aioload.DataLoader(Scalars(100_000), batch_size=4, num_workers=2)
 
     async def main() -> tuple[bool, float, int, int, bool]:
         received: list[float] = []
@@ -159,7 +120,7 @@ def test_deadline_ends_the_pass_and_a_sibling_wakes_on_time(backend: str, no_lea
         del it
         return scope.cancelled_caught, slept[0], late, len(received), gone
 
-    cancelled, slept, late, batches, gone = _run(backend, main)
+    cancelled, slept, late, batches, gone = run_on(backend, main)
     assert cancelled and batches > 20
     # The sibling wakes at the first checkpoint after its second: one body later, plus noise.
     assert 1.0 <= slept < 1.25, slept
@@ -171,7 +132,7 @@ def test_deadline_ends_the_pass_and_a_sibling_wakes_on_time(backend: str, no_lea
 def test_deadline_in_process(backend: str, no_leaks: None) -> None:
     """num_workers=0: each fetch runs in a thread; the deadline still lands within a batch
     or two, and the fetch in hand finishes first (two never run at once)."""
-    loader = aioload.DataLoader(Small(100_000), batch_size=4, num_workers=0)
+    loader = aioload.DataLoader(Scalars(100_000), batch_size=4, num_workers=0)
 
     async def main() -> tuple[bool, int, int]:
         received: list[float] = []
@@ -181,7 +142,7 @@ def test_deadline_in_process(backend: str, no_leaks: None) -> None:
                 _body()
         return scope.cancelled_caught, sum(1 for t in received if t > scope.deadline), len(received)
 
-    cancelled, late, batches = _run(backend, main)
+    cancelled, late, batches = run_on(backend, main)
     assert cancelled and batches > 0
     assert late <= 2
 
@@ -189,7 +150,7 @@ def test_deadline_in_process(backend: str, no_leaks: None) -> None:
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_cancel_while_waiting_for_workers_ends_the_pass(backend: str, no_leaks: None) -> None:
     # Every sample takes 1 s: the cancellation lands in the wait, with workers busy.
-    loader = aioload.DataLoader(Small(64, delay=1.0), batch_size=2, num_workers=2)
+    loader = aioload.DataLoader(Scalars(64, delay=1.0), batch_size=2, num_workers=2)
 
     async def main() -> tuple[float, bool]:
         it = aiter(loader)
@@ -202,7 +163,7 @@ def test_cancel_while_waiting_for_workers_ends_the_pass(backend: str, no_leaks: 
         del it
         return took, gone
 
-    took, gone = _run(backend, main)
+    took, gone = run_on(backend, main)
     assert took < 3.0
     assert gone
 
@@ -210,7 +171,7 @@ def test_cancel_while_waiting_for_workers_ends_the_pass(backend: str, no_leaks: 
 def test_native_asyncio_cancel_ends_the_pass(no_leaks: None) -> None:
     """``task.cancel()`` and ``wait_for``, which anyio's shield cannot hold off: the pass still
     ends, at the start (pool being made in its thread), in the wait, and in the body."""
-    loader = aioload.DataLoader(Small(100_000), batch_size=4, num_workers=2)
+    loader = aioload.DataLoader(Scalars(100_000), batch_size=4, num_workers=2)
 
     async def main() -> list[bool]:
         gone: list[bool] = []
@@ -223,12 +184,20 @@ def test_native_asyncio_cancel_ends_the_pass(no_leaks: None) -> None:
         # In the body, reaching the iterator at its next checkpoint.
         it = aiter(loader)
 
+        consumed = 0
+
         async def consume(iterator: Any) -> None:
+            nonlocal consumed
             async for _batch in iterator:
+                consumed += 1
                 _body()
 
         task = asyncio.ensure_future(consume(it))
-        await asyncio.sleep(0.5)
+        # Wait for the first batch (the body is being reached), however slow the machine.
+        deadline = time.monotonic() + 20
+        while consumed == 0 and not task.done():
+            assert time.monotonic() < deadline, "no batch reached the body"
+            await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -241,7 +210,7 @@ def test_native_asyncio_cancel_ends_the_pass(no_leaks: None) -> None:
 
 @pytest.mark.parametrize("backend", ["asyncio"])
 def test_persistent_workers_survive_a_cancelled_pass(backend: str, no_leaks: None) -> None:
-    loader = aioload.DataLoader(Small(400), batch_size=4, num_workers=2, persistent_workers=True)
+    loader = aioload.DataLoader(Scalars(400), batch_size=4, num_workers=2, persistent_workers=True)
 
     async def main() -> tuple[int, list[int], set[int], set[int]]:
         cut = 0
@@ -257,7 +226,7 @@ def test_persistent_workers_survive_a_cancelled_pass(backend: str, no_leaks: Non
             seen.extend(int(i) for i in batch)
         return cut, seen, pids, {p.pid for p in _workers()}
 
-    cut, seen, before, after = _run(backend, main)
+    cut, seen, before, after = run_on(backend, main)
     loader.shutdown()
     assert cut == 10
     assert seen == list(range(400))
@@ -266,7 +235,7 @@ def test_persistent_workers_survive_a_cancelled_pass(backend: str, no_leaks: Non
 
 @pytest.mark.parametrize("backend", ["trio"])
 def test_dataset_error_leaves_the_pass_usable(backend: str, no_leaks: None) -> None:
-    loader = aioload.DataLoader(FailsAt(40, bad=9), batch_size=4, num_workers=2)
+    loader = aioload.DataLoader(Scalars(40, fail_at=9), batch_size=4, num_workers=2)
 
     async def main() -> tuple[list[int], list[str]]:
         seen: list[int] = []
@@ -283,14 +252,14 @@ def test_dataset_error_leaves_the_pass_usable(backend: str, no_leaks: None) -> N
             seen.extend(int(i) for i in batch)
         return seen, errors
 
-    seen, errors = _run(backend, main)
+    seen, errors = run_on(backend, main)
     assert seen == [i for i in range(40) if not 8 <= i < 12]
     assert len(errors) == 1 and "bad sample 9" in errors[0]
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_anext_and_aclose_are_checkpoints_after_the_end(backend: str) -> None:
-    loader = aioload.DataLoader(Small(8), batch_size=4, num_workers=0)
+    loader = aioload.DataLoader(Scalars(8), batch_size=4, num_workers=0)
 
     async def main() -> list[str]:
         reached: list[str] = []
@@ -310,4 +279,4 @@ def test_anext_and_aclose_are_checkpoints_after_the_end(backend: str) -> None:
             reached.append("anext")
         return reached
 
-    assert _run(backend, main) == []
+    assert run_on(backend, main) == []

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -22,29 +21,16 @@ import numpy as np
 import psutil
 import pytest
 import torch
-import uvloop
 from torch.utils.data import Dataset
 
 import aioload
+from tests.helpers import flat, run_on
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _run(backend: str, fn: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
-    if backend == "asyncio":
-        return asyncio.run(fn())
-    if backend == "uvloop":
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(fn())
-    return anyio.run(fn, backend="trio")
-
-
 async def _acollect(loader: Any) -> list[Any]:
     return [batch async for batch in loader]
-
-
-def _flat(batches: list[Any]) -> list[int]:
-    return [int(i) for batch in batches for i in batch]
 
 
 # -- datasets ------------------------------------------------------------------------------
@@ -297,7 +283,7 @@ def test_async_for_and_in_order_false(num_workers: int, no_leaks: None) -> None:
         )
         return await _acollect(loader)
 
-    batches = _run("uvloop", main)
+    batches = run_on("uvloop", main)
     firsts = sorted(int(row[0]) for batch in batches for row in batch)
     assert firsts == list(range(64))  # every sample exactly once
     assert all(batch.shape == (4, 2) for batch in batches)
@@ -321,7 +307,7 @@ def test_inline_on_each_backend(backend: str, no_leaks: None) -> None:
     async def main() -> list[Any]:
         return await _acollect(loader)
 
-    batches = _run(backend, main)
+    batches = run_on(backend, main)
     assert [int(row[0]) for b in batches for row in b] == list(range(40))
 
 
@@ -334,16 +320,13 @@ def test_fetches_overlap_up_to_worker_concurrency(num_workers: int, no_leaks: No
     loader = aioload.DataLoader(
         InFlight(128, delay), batch_size=32, num_workers=num_workers, worker_concurrency=16
     )
-    start = time.monotonic()
     batches = list(loader)
-    elapsed = time.monotonic() - start
     assert [int(row[0]) for b in batches for row in b] == list(range(128))
     peak = max(int(row[1]) for b in batches for row in b)
     # Never more than worker_concurrency at once in one process (with workers, the batches a
-    # worker gathers at once share its slots), and really that many.
+    # worker gathers at once share its slots), and really that many. The fetches themselves
+    # count how many were in flight together: that, not the wall clock, shows the overlap.
     assert peak == 16
-    # Serial fetching would take 128 * 50 ms = 6.4 s (3.2 s on two workers).
-    assert elapsed < 2.0
 
 
 def test_a_batch_at_concurrency_32_takes_one_latency(no_leaks: None) -> None:
@@ -413,7 +396,7 @@ def test_cancelling_the_consumer_cancels_inline_fetches(backend: str, no_leaks: 
                 await it.__anext__()
         return time.monotonic() - start
 
-    assert _run(backend, main) < 2
+    assert run_on(backend, main) < 2
     assert set(dataset.cancelled) <= {0, 1, 2, 4, 5, 6, 7}
     assert dataset.cancelled  # those in flight saw the cancellation
 
@@ -482,7 +465,7 @@ def test_inline_seed_per_sample_leaves_the_callers_rng_alone(no_leaks: None) -> 
                 out.append(batch)
         return out
 
-    _run("asyncio", main)
+    run_on("asyncio", main)
     assert random.getstate() == before[0]
     assert torch.equal(torch.get_rng_state(), before[1])
     assert np.array_equal(np.random.get_state()[1], before[2])
@@ -494,7 +477,7 @@ def test_inline_seed_per_sample_leaves_the_callers_rng_alone(no_leaks: None) -> 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_async_iterable_every_sample_once(num_workers: int, no_leaks: None) -> None:
     loader = aioload.DataLoader(Counting(50), batch_size=4, num_workers=num_workers)
-    assert sorted(_flat(list(loader))) == list(range(50))
+    assert sorted(flat(list(loader))) == list(range(50))
     loader = aioload.DataLoader(Counting(50), batch_size=4, num_workers=num_workers, drop_last=True)
     assert all(len(b) == 4 for b in loader)
 
@@ -508,20 +491,20 @@ def test_async_iterable_resume(
         ds: Any = dataset_class(60)  # type: ignore[call-arg]
         return aioload.DataLoader(ds, batch_size=4, num_workers=num_workers)
 
-    full = _flat(list(make()))
+    full = flat(list(make()))
     loader = make()
     it = iter(loader)
-    head = _flat([next(it) for _ in range(5)])
+    head = flat([next(it) for _ in range(5)])
     state = loader.state_dict()
     del it
     resumed = make()
     resumed.load_state_dict(state)
-    tail = _flat(list(resumed))
+    tail = flat(list(resumed))
     assert head + tail == full
 
 
 def test_async_iterable_resume_under_async_for(no_leaks: None) -> None:
-    full = _flat(list(aioload.DataLoader(StatefulCounting(40), batch_size=3, num_workers=2)))
+    full = flat(list(aioload.DataLoader(StatefulCounting(40), batch_size=3, num_workers=2)))
 
     async def main() -> list[int]:
         loader = aioload.DataLoader(StatefulCounting(40), batch_size=3, num_workers=2)
@@ -532,9 +515,9 @@ def test_async_iterable_resume_under_async_for(no_leaks: None) -> None:
             state = loader.state_dict()
         resumed = aioload.DataLoader(StatefulCounting(40), batch_size=3, num_workers=2)
         resumed.load_state_dict(state)
-        return _flat(head) + _flat(await _acollect(resumed))
+        return flat(head) + flat(await _acollect(resumed))
 
-    assert _run("uvloop", main) == full
+    assert run_on("uvloop", main) == full
 
 
 # -- per-worker setup and shutdown -----------------------------------------------------------
@@ -544,7 +527,7 @@ def test_async_context_entered_once_per_worker_and_exited(tmp_path: Path, no_lea
     loader = aioload.DataLoader(
         WithSession(tmp_path, n=64), batch_size=4, num_workers=2, worker_concurrency=4
     )
-    assert _flat(list(loader)) == list(range(64))
+    assert flat(list(loader)) == list(range(64))
     entered = _events(tmp_path, "enter")
     assert len(entered) == 2 and len(set(entered)) == 2  # one per worker process
     assert _events(tmp_path, "exit") == entered  # each exited, on shutdown
@@ -555,7 +538,7 @@ def test_async_context_with_persistent_workers(tmp_path: Path, no_leaks: None) -
         WithSession(tmp_path), batch_size=4, num_workers=2, persistent_workers=True
     )
     for _ in range(3):
-        assert _flat(list(loader)) == list(range(16))
+        assert flat(list(loader)) == list(range(16))
     assert len(_events(tmp_path, "enter")) == 2  # not once per epoch
     assert _events(tmp_path, "exit") == []
     loader.shutdown()
@@ -569,10 +552,10 @@ def test_shutdown_with_fetches_in_flight_still_exits_the_context(
         WithSession(tmp_path, n=32, hang_at=9), batch_size=4, num_workers=2, worker_concurrency=4
     )
     it = iter(loader)
-    assert _flat([next(it), next(it)]) == list(range(8))
-    start = time.monotonic()
+    assert flat([next(it), next(it)]) == list(range(8))
     it.close()  # worker 0 is stuck in sample 9: the fetch is cancelled, the context exited
-    assert time.monotonic() - start < 1.0
+    # Two exit events, not a time bound, are the proof: a worker killed after the shutdown
+    # grace period, still stuck in the hour-long fetch, would never write its own.
     assert len(_events(tmp_path, "exit")) == 2
 
 
@@ -580,9 +563,9 @@ def test_shutdown_with_fetches_in_flight_still_exits_the_context(
 def test_async_context_inline(door: str, tmp_path: Path, no_leaks: None) -> None:
     loader = aioload.DataLoader(WithSession(tmp_path), batch_size=4)
     if door == "for":
-        assert _flat(list(loader)) == list(range(16))
+        assert flat(list(loader)) == list(range(16))
     else:
-        assert _flat(_run("trio", lambda: _acollect(loader))) == list(range(16))
+        assert flat(run_on("trio", lambda: _acollect(loader))) == list(range(16))
     assert len(_events(tmp_path, "enter")) == 1
     assert len(_events(tmp_path, "exit")) == 1
 

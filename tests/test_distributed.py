@@ -23,6 +23,7 @@ import torch.multiprocessing
 from torch.utils.data import Dataset, IterableDataset
 
 import aioload
+from tests.helpers import flat
 
 pytestmark = [pytest.mark.usefixtures("no_leaks"), pytest.mark.timeout(180)]
 
@@ -47,10 +48,6 @@ class GlobalShards(IterableDataset[int]):
         return iter(range(info.global_id, N, info.global_num_workers))
 
 
-def _flat(loader: Any) -> list[int]:
-    return [int(i) for batch in loader for i in batch]
-
-
 def _rank_main(rank: int, world_size: int, store: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
@@ -61,18 +58,18 @@ def _rank_main(rank: int, world_size: int, store: str, out_dir: str) -> None:
             return aioload.DataLoader(Indexed(), batch_size=BATCH, shuffle=True, num_workers=2)
 
         loader = make()
-        report["epochs"] = [_flat(loader), _flat(loader)]
+        report["epochs"] = [flat(loader), flat(loader)]
         loader.set_epoch(0)
-        report["epoch0_again"] = _flat(loader)
+        report["epoch0_again"] = flat(loader)
 
         unsharded = aioload.DataLoader(Indexed(), batch_size=BATCH, shard="none")
-        report["unsharded"] = _flat(unsharded)
+        report["unsharded"] = flat(unsharded)
 
         # Resume per rank: stop mid-epoch 1, checkpoint, continue in a fresh loader. (Reseeded
         # first so that it draws the same shuffle seed as the loader above.)
         torch.manual_seed(100 + rank)
         interrupted = make()
-        _flat(interrupted)
+        flat(interrupted)
         iterator = iter(interrupted)
         head = [int(i) for _ in range(3) for i in next(iterator)]
         buffer = io.BytesIO()
@@ -82,10 +79,10 @@ def _rank_main(rank: int, world_size: int, store: str, out_dir: str) -> None:
         torch.manual_seed(7)
         resumed = make()
         resumed.load_state_dict(torch.load(buffer, weights_only=True))
-        report["resumed_epoch1"] = head + _flat(resumed)
+        report["resumed_epoch1"] = head + flat(resumed)
 
         iterable = aioload.DataLoader(GlobalShards(), batch_size=BATCH, num_workers=2)
-        report["iterable"] = _flat(iterable)
+        report["iterable"] = flat(iterable)
 
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
     finally:
@@ -124,7 +121,7 @@ def test_ranks_draw_disjoint_shards_and_resume(tmp_path: Path, world_size: int) 
 def test_not_distributed_means_rank_zero_of_one() -> None:
     assert not dist.is_initialized()
     loader = aioload.DataLoader(Indexed(), batch_size=BATCH, num_workers=1)
-    assert _flat(loader) == list(range(N))
+    assert flat(loader) == list(range(N))
 
 
 if __name__ == "__main__":

@@ -15,12 +15,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import torch
 from torch.utils.data import IterableDataset, SequentialSampler
 
 import aioload
+from tests.helpers import values, wait_no_children
 from tests.scripts import datasets
 from tests.scripts.datasets import (
     DiesAt,
@@ -131,24 +131,6 @@ def _detached(item: Any) -> Any:
     return item
 
 
-def _values(batches: list[Any]) -> list[list[int]]:
-    return [b.flatten().tolist() for b in batches]
-
-
-def _wait_no_children(timeout: float = 5.0) -> list[int]:
-    """Pids of this process's descendants still running after up to ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = [
-            p.pid
-            for p in psutil.Process().children(recursive=True)
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-        ]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.05)
-
-
 @pytest.fixture(autouse=True)
 def _clear_collate_record() -> Iterator[None]:
     yield
@@ -172,7 +154,7 @@ def test_getitem_error_keeps_type_worker_id_and_traceback(api: str, no_leaks: No
     assert "in __getitem__" in message
     assert 'raise DistinctiveError(f"getitem-marker index {i}")' in message
     assert "DistinctiveError: getitem-marker index 3" in message
-    assert _values(before) == [[0], [1], [2]]
+    assert values(before) == [[0], [1], [2]]
 
 
 def test_getitem_error_message_matches_torch(no_leaks: None) -> None:
@@ -236,7 +218,7 @@ def test_worker_init_fn_error_keeps_type_worker_id_and_traceback(api: str, no_le
     assert "in init_failing_on_worker_1" in message
     assert "init-marker worker 1" in message
     # Batch 0 comes from worker 0, whose init went fine.
-    assert _values(before) == [[0, 0]]
+    assert values(before) == [[0, 0]]
 
 
 @pytest.mark.parametrize("api", APIS)
@@ -245,7 +227,7 @@ def test_getitem_error_without_workers_is_the_original_object(api: str, no_leaks
     exc, before, _ = _first_error(aioload.DataLoader(ds, batch_size=1), api)
     assert exc is ds.raised[-1]
     assert str(exc) == "getitem-marker index 2"
-    assert _values(before) == [[0], [1]]
+    assert values(before) == [[0], [1]]
 
 
 @pytest.mark.parametrize("api", APIS)
@@ -288,7 +270,7 @@ def test_epoch_goes_on_after_a_caught_error(
         errors = [i for i, item in enumerate(out) if isinstance(item, BaseException)]
         assert errors == [bad]
         assert type(out[bad]) is expected_type
-        assert _values([b for b in out if not isinstance(b, BaseException)]) == [
+        assert values([b for b in out if not isinstance(b, BaseException)]) == [
             [i] for i in range(n) if i != bad
         ]
 
@@ -366,7 +348,7 @@ def test_timeout_does_not_fire_on_a_slow_but_steady_epoch(api: str, no_leaks: No
     # Each batch takes ~0.15 s, the epoch well over the timeout: the timeout is per batch.
     ds = SlowEach(16, 0.15)
     out = _epoch(aioload.DataLoader(ds, batch_size=1, num_workers=2, timeout=1.5), api)
-    assert _values(out) == [[i] for i in range(16)]
+    assert values(out) == [[i] for i in range(16)]
 
 
 class SlowEach(torch.utils.data.Dataset[torch.Tensor]):
@@ -426,15 +408,15 @@ def test_dead_worker_raises_fast_and_the_loader_recovers(
     # Measured from the start of the fatal fetch, in the worker, to the raise.
     assert raised_at - float(fetch_started_text) < 5.0
     # Whatever came before the error is a prefix of the epoch, in order.
-    assert _values(before) == [[i] for i in range(len(before))]
+    assert values(before) == [[i] for i in range(len(before))]
     assert len(before) <= 4
 
     # The pass is over and every worker is gone, the survivor included.
-    assert _wait_no_children() == []
+    assert wait_no_children() == []
 
     # A new pass over the same loader works (the dataset dies only once).
     out = _epoch(loader, api)
-    assert _values(out) == [[i] for i in range(n)]
+    assert values(out) == [[i] for i in range(n)]
     if persistent:
         loader.shutdown()
 

@@ -9,12 +9,10 @@ between processes through inheritance" under spawn and forkserver.
 from __future__ import annotations
 
 import functools
-import gc
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -87,18 +85,6 @@ def _count_worker(counter: Any, worker_id: int) -> None:
 def _init_fails(event: Any, worker_id: int) -> None:
     event.set()
     raise KeyError(f"worker {worker_id} cannot start")
-
-
-@pytest.fixture
-def stop_mp_helpers(no_leaks: None) -> Iterator[None]:
-    """spawn and forkserver start multiprocessing's own helpers (the resource tracker, the
-    fork server), which live as long as the interpreter: stop them before the leak check.
-    The tracker leaves only when no process holds its pipe any more, so a pass kept alive by
-    a caught exception's traceback is collected first (its workers inherited that pipe)."""
-    yield
-    gc.collect()
-    multiprocessing.forkserver._forkserver._stop()  # type: ignore[attr-defined]
-    multiprocessing.resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
 
 
 def _indices(batches: list[torch.Tensor]) -> list[int]:

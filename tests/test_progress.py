@@ -10,26 +10,13 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import IterableDataset
 from tqdm import tqdm
 
 import aioload
+from tests.scripts.datasets import Scalars
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class Numbers(Dataset[torch.Tensor]):
-    def __init__(self, n: int, fail_at: int | None = None) -> None:
-        self.n = n
-        self.fail_at = fail_at
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        if i == self.fail_at:
-            raise ValueError(f"bad sample {i}")
-        return torch.tensor(i)
 
 
 class Stream(IterableDataset[torch.Tensor]):
@@ -75,7 +62,7 @@ def test_bar_counts_batches_and_shows_data_bound(
     mode: str, num_workers: int, no_leaks: None
 ) -> None:
     out = io.StringIO()
-    loader = aioload.DataLoader(Numbers(40), batch_size=4, num_workers=num_workers)
+    loader = aioload.DataLoader(Scalars(40), batch_size=4, num_workers=num_workers)
     assert _run(aioload.progress(loader, file=out, desc="train"), mode) == 10
     text = out.getvalue()
     assert "train" in text and "10/10" in text
@@ -87,7 +74,7 @@ def test_bar_counts_batches_and_shows_data_bound(
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_bar_closes_on_break(mode: str, no_leaks: None) -> None:
     out = io.StringIO()
-    loader = aioload.DataLoader(Numbers(400), batch_size=4, num_workers=2)
+    loader = aioload.DataLoader(Scalars(400), batch_size=4, num_workers=2)
     assert _run(aioload.progress(loader, file=out), mode, stop_after=3) == 3
     assert "3/100" in out.getvalue()
 
@@ -95,7 +82,7 @@ def test_bar_closes_on_break(mode: str, no_leaks: None) -> None:
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_bar_closes_on_error(mode: str, no_leaks: None) -> None:
     out = io.StringIO()
-    loader = aioload.DataLoader(Numbers(40, fail_at=9), batch_size=4, num_workers=2)
+    loader = aioload.DataLoader(Scalars(40, fail_at=9), batch_size=4, num_workers=2)
     with pytest.raises(ValueError, match="bad sample 9"):
         _run(aioload.progress(loader, file=out), mode)
     assert "2/10" in out.getvalue()
@@ -105,7 +92,7 @@ def test_bar_closes_on_error(mode: str, no_leaks: None) -> None:
 def test_progress_option_on_the_loader(
     mode: str, capsys: pytest.CaptureFixture[str], no_leaks: None
 ) -> None:
-    loader = aioload.DataLoader(Numbers(12), batch_size=4, num_workers=2, progress=True)
+    loader = aioload.DataLoader(Scalars(12), batch_size=4, num_workers=2, progress=True)
     assert _run(loader, mode) == 3
     # A loader that draws its own bar is not wrapped in a second one.
     assert _run(aioload.progress(loader), mode) == 3
@@ -124,7 +111,7 @@ def test_without_length_the_bar_has_no_total(no_leaks: None) -> None:
 
 def test_wraps_torchs_loader_too() -> None:
     out = io.StringIO()
-    loader = torch.utils.data.DataLoader(Numbers(8), batch_size=4)
+    loader = torch.utils.data.DataLoader(Scalars(8), batch_size=4)
     assert _run(aioload.progress(loader, file=out), "sync") == 2
     assert "2/2" in out.getvalue()
     assert "data-bound" not in out.getvalue()
@@ -134,7 +121,7 @@ def test_wraps_torchs_loader_too() -> None:
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_bar_survives_a_recoverable_dataset_error(num_workers: int, no_leaks: None) -> None:
     out = io.StringIO()
-    loader = aioload.DataLoader(Numbers(40, fail_at=9), batch_size=4, num_workers=num_workers)
+    loader = aioload.DataLoader(Scalars(40, fail_at=9), batch_size=4, num_workers=num_workers)
     iterator = iter(aioload.progress(loader, file=out, mininterval=0))
     batches = errors = 0
     while True:
@@ -152,12 +139,12 @@ def test_bar_survives_a_recoverable_dataset_error(num_workers: int, no_leaks: No
 
 
 def test_resumed_pass_bar_starts_where_the_checkpoint_was(no_leaks: None) -> None:
-    loader = aioload.DataLoader(Numbers(40), batch_size=4)
+    loader = aioload.DataLoader(Scalars(40), batch_size=4)
     iterator = iter(loader)
     for _ in range(6):
         next(iterator)
     state = loader.state_dict()
-    resumed = aioload.DataLoader(Numbers(40), batch_size=4)
+    resumed = aioload.DataLoader(Scalars(40), batch_size=4)
     resumed.load_state_dict(state)
     bars = iter(aioload.progress(resumed, file=io.StringIO(), mininterval=0))
     assert sum(1 for _ in bars) == 4
@@ -165,7 +152,7 @@ def test_resumed_pass_bar_starts_where_the_checkpoint_was(no_leaks: None) -> Non
 
 
 def test_progress_iterator_keeps_len(no_leaks: None) -> None:
-    loader = aioload.DataLoader(Numbers(40), batch_size=4, progress=True)
+    loader = aioload.DataLoader(Scalars(40), batch_size=4, progress=True)
     iterator = iter(loader)
     assert len(iterator) == 10  # type: ignore[arg-type]
     del iterator

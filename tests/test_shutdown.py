@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +24,9 @@ import anyio
 import psutil
 import pytest
 import torch
-import uvloop
 
 import aioload
+from tests.helpers import alive, children, run_on, values, wait_gone, wait_no_children
 from tests.scripts.datasets import LazyFile, Noisy, Pids, Slow, SlowAt, Squares
 
 pytestmark = pytest.mark.timeout(60)
@@ -38,57 +37,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-def _alive(pids: list[int] | set[int]) -> list[int]:
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def _wait_gone(pids: list[int] | set[int], timeout: float = 5.0) -> list[int]:
-    """The pids still running (zombies count as gone) after up to ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while (alive := _alive(pids)) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return alive
-
-
-def _children() -> list[int]:
-    return _alive([p.pid for p in psutil.Process().children(recursive=True)])
-
-
-def _wait_no_children(timeout: float = 5.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while (alive := _children()) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return alive
-
-
-def _values(batches: list[Any]) -> list[list[int]]:
-    return [b.flatten().tolist() for b in batches]
-
-
-def _run(api_backend: str, fn: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
-    if api_backend == "uvloop":
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(fn())
-    return asyncio.run(fn())
-
-
-@pytest.fixture
-def stop_mp_helpers(no_leaks: None) -> Iterator[None]:
-    """spawn and forkserver start multiprocessing's own helper processes (the resource tracker,
-    the fork server), which live as long as the interpreter. Stop them after the test, before
-    the leak check (which depends on this fixture, so it runs last) counts children."""
-    yield
-    multiprocessing.forkserver._forkserver._stop()  # type: ignore[attr-defined]
-    multiprocessing.resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
 
 
 # -- the ways a pass ends --------------------------------------------------------------------
@@ -109,7 +57,7 @@ def test_exhaustion(api: str, no_leaks: None) -> None:
         list(range(i, min(i + 4, 23))) for i in range(0, 23, 4)
     ]
     # The pass closed itself at its end, without waiting for garbage collection.
-    assert _wait_no_children() == []
+    assert wait_no_children() == []
 
 
 @pytest.mark.parametrize("api", APIS)
@@ -131,7 +79,7 @@ def test_break_mid_epoch(api: str, no_leaks: None) -> None:
 
         asyncio.run(main())
     assert [b[:, 0].tolist() for b in seen] == [[0, 1], [2, 3], [4, 5]]
-    assert _wait_no_children() == []
+    assert wait_no_children() == []
 
 
 @pytest.mark.parametrize("api", APIS)
@@ -140,7 +88,7 @@ def test_del_iterator_then_gc(api: str, no_leaks: None) -> None:
     if api == "sync":
         it = iter(loader)
         next(it)
-        pids = _children()
+        pids = children()
         assert len(pids) == 2
         del it
         gc.collect()
@@ -149,14 +97,14 @@ def test_del_iterator_then_gc(api: str, no_leaks: None) -> None:
         async def main() -> list[int]:
             it = aiter(loader)
             await anext(it)
-            pids = _children()
+            pids = children()
             del it
             gc.collect()
             return pids
 
         pids = asyncio.run(main())
         assert len(pids) == 2
-    assert _wait_gone(pids) == []
+    assert wait_gone(pids) == []
 
 
 @pytest.mark.parametrize("api", APIS)
@@ -166,7 +114,7 @@ def test_explicit_close(api: str, no_leaks: None) -> None:
         it = iter(loader)
         next(it)
         it.close()  # type: ignore[attr-defined]
-        assert _wait_no_children(timeout=2) == []
+        assert wait_no_children(timeout=2) == []
         with pytest.raises(StopIteration):
             next(it)
     else:
@@ -174,7 +122,7 @@ def test_explicit_close(api: str, no_leaks: None) -> None:
         async def main() -> None:
             async with aiter(loader) as it:  # type: ignore[attr-defined]
                 await anext(it)
-            assert _wait_no_children(timeout=2) == []
+            assert wait_no_children(timeout=2) == []
             with pytest.raises(StopAsyncIteration):
                 await anext(it)
 
@@ -205,7 +153,7 @@ def test_exception_in_the_loop_body(api: str, no_leaks: None) -> None:
         with pytest.raises(ConsumerError):
             asyncio.run(main())
     gc.collect()
-    assert _wait_no_children() == []
+    assert wait_no_children() == []
 
 
 # -- cancellation ----------------------------------------------------------------------------
@@ -226,11 +174,11 @@ def test_wait_for_timeout_cancels_the_pass(backend: str, no_leaks: None) -> None
             await asyncio.wait_for(consume(), 0.3)
         return time.monotonic() - started
 
-    elapsed = _run(backend, main)
+    elapsed = run_on(backend, main)
     assert got == []  # every sample takes a second
     assert elapsed < 3.0  # the cancellation was not stuck behind a slow sample
     gc.collect()
-    assert _wait_no_children() == []
+    assert wait_no_children() == []
 
 
 @pytest.mark.parametrize("use_async_with", [False, True], ids=["async-for", "async-with"])
@@ -260,7 +208,7 @@ def test_task_cancel_while_awaiting_next(use_async_with: bool, no_leaks: None) -
     asyncio.run(main())
     assert len(got) >= 2
     gc.collect()
-    assert _wait_no_children() == []
+    assert wait_no_children() == []
 
 
 @pytest.mark.parametrize("backend", ["trio", "asyncio"])
@@ -280,7 +228,7 @@ def test_anyio_cancel_scope_around_async_for(backend: str, no_leaks: None) -> No
     assert len(got) < 100
     assert [int(b[0, 0]) for b in got] == list(range(len(got)))
     gc.collect()
-    assert _wait_no_children() == []
+    assert wait_no_children() == []
 
 
 # -- a worker stuck in user code -------------------------------------------------------------
@@ -337,7 +285,7 @@ def test_break_while_a_worker_is_stuck(api: str, how: str, tmp_path: Path, no_le
         elapsed = asyncio.run(main())
     # Shutdown waits a short grace period, then SIGKILLs the stuck worker.
     assert elapsed < 2.0
-    assert _wait_no_children(timeout=0.5) == []
+    assert wait_no_children(timeout=0.5) == []
 
 
 # -- persistent workers ----------------------------------------------------------------------
@@ -363,13 +311,13 @@ def test_persistent_workers_survive_epochs_and_die_with_the_loader(
     order1, pids1 = _epoch_pids(loader, api)
     assert order1 == list(range(10))
     assert len(pids1) == 2
-    assert pids1 <= set(_children())  # alive between epochs
+    assert pids1 <= set(children())  # alive between epochs
     order2, pids2 = _epoch_pids(loader, api)
     assert order2 == list(range(10))
     assert pids2 == pids1
     del loader
     gc.collect()
-    assert _wait_gone(pids1) == []
+    assert wait_gone(pids1) == []
 
 
 @pytest.mark.parametrize("api", APIS)
@@ -379,14 +327,14 @@ def test_persistent_workers_stop_on_shutdown(api: str, no_leaks: None) -> None:
     _, pids2 = _epoch_pids(loader, api)
     assert pids1 == pids2
     loader.shutdown()
-    assert _wait_gone(pids1, timeout=2) == []
+    assert wait_gone(pids1, timeout=2) == []
     # The loader is still usable: a new epoch starts new workers.
     order3, pids3 = _epoch_pids(loader, api)
     assert order3 == list(range(10))
     assert len(pids3) == 2
     assert not pids3 & pids1
     loader.shutdown()
-    assert _wait_gone(pids3, timeout=2) == []
+    assert wait_gone(pids3, timeout=2) == []
 
 
 @pytest.mark.parametrize("api", APIS)
@@ -406,13 +354,13 @@ def test_persistent_workers_after_a_break(api: str, no_leaks: None) -> None:
                     break
 
         asyncio.run(main())
-    pids = set(_children())
+    pids = set(children())
     assert len(pids) == 2  # a break ends the pass, not the workers
     order, pids2 = _epoch_pids(loader, api)
     assert order == list(range(40))  # nothing of the abandoned pass leaks into this one
     assert pids2 == pids
     loader.shutdown()
-    assert _wait_gone(pids) == []
+    assert wait_gone(pids) == []
 
 
 # -- the parent dies -------------------------------------------------------------------------
@@ -450,14 +398,14 @@ def test_workers_exit_when_their_parent_is_killed(context: str, api: str, no_lea
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         killed_at = time.monotonic()
-        left = _wait_gone(workers, timeout=5)
+        left = wait_gone(workers, timeout=5)
         assert left == [], f"workers outlived their parent by 5 s: {left}"
         assert time.monotonic() - killed_at < 5.5
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        for pid in _alive(workers):  # do not leave them behind if the test failed
+        for pid in alive(workers):  # do not leave them behind if the test failed
             os.kill(pid, signal.SIGKILL)
         if proc.stdout is not None:
             proc.stdout.close()
@@ -525,7 +473,7 @@ def test_start_methods_persistent_workers(context: str, stop_mp_helpers: None) -
     assert pids1 == pids2
     assert len(pids1) == 2
     loader.shutdown()
-    assert _wait_gone(pids1) == []
+    assert wait_gone(pids1) == []
 
 
 # -- an abandoned pass in a later worker -----------------------------------------------------
@@ -558,4 +506,4 @@ def test_abandoned_pass_is_not_finalized_inside_a_later_worker(
         gc.enable()
         gc.collect()
     assert error is None, error
-    assert _values(batches) == [[i, 10] for i in range(6)]
+    assert values(batches) == [[i, 10] for i in range(6)]

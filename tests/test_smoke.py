@@ -4,16 +4,9 @@ import pytest
 import torch
 
 import aioload
+from tests.scripts.datasets import Squares
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class Squares(torch.utils.data.Dataset[torch.Tensor]):
-    def __len__(self) -> int:
-        return 37
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.tensor([i, i * i])
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

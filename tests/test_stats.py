@@ -20,22 +20,9 @@ import aioload
 import aioload.loader
 from aioload._pinning import Transfer
 from aioload.stats import RESERVOIR_SIZE, PassStats
+from tests.scripts.datasets import Numbers
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class Numbers(Dataset[torch.Tensor]):
-    def __init__(self, n: int, delay: float = 0.0) -> None:
-        self.n = n
-        self.delay = delay
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        if self.delay:
-            time.sleep(self.delay)
-        return torch.tensor([i, -i])
 
 
 class Shards(IterableDataset[torch.Tensor]):

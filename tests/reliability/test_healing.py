@@ -143,7 +143,6 @@ class KillsItself(Dataset[int]):
 
 def test_past_the_limit_the_normal_error_is_raised(no_leaks: None) -> None:
     loader = aioload.DataLoader(KillsItself(), batch_size=2, num_workers=2, max_worker_restarts=2)
-    started = time.monotonic()
     with (
         warnings.catch_warnings(record=True) as caught,
         pytest.raises(
@@ -152,7 +151,6 @@ def test_past_the_limit_the_normal_error_is_raised(no_leaks: None) -> None:
     ):
         warnings.simplefilter("always")
         list(loader)
-    assert time.monotonic() - started < 10
     assert len([w for w in caught if "replaced it" in str(w.message)]) == 2
 
 

@@ -31,6 +31,8 @@ from typing import Any, NamedTuple
 import psutil
 import pytest
 
+from tests.helpers import alive
+
 pytestmark = pytest.mark.timeout(60)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -411,17 +413,6 @@ def test_cell(cell: CellSpec) -> None:
 # -- cells signalled from outside ------------------------------------------------------------
 
 
-def _alive(pids: list[int]) -> list[int]:
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
 def _shm() -> set[str]:
     try:
         return set(os.listdir("/dev/shm"))
@@ -458,7 +449,7 @@ def _stop(proc: subprocess.Popen[str], workers: list[int]) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait()
-    for pid in _alive(workers):
+    for pid in alive(workers):
         os.kill(pid, signal.SIGKILL)
 
 
@@ -506,7 +497,7 @@ def test_parent_sigkill(cell: CellSpec) -> None:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=HARD_TIMEOUT_S)
         killed_at = time.monotonic()
-        while (left := _alive(workers)) and time.monotonic() - killed_at < REPORT_S:
+        while (left := alive(workers)) and time.monotonic() - killed_at < REPORT_S:
             time.sleep(0.01)
         took = time.monotonic() - killed_at
     finally:

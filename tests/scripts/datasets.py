@@ -1,4 +1,4 @@
-"""Datasets shared by the error and shutdown tests.
+"""Datasets shared by the test files.
 
 They live in an importable module (``tests.scripts.datasets``) so that workers started with the
 ``spawn`` and ``forkserver`` contexts, and the child scripts in this folder, can unpickle them.
@@ -29,6 +29,42 @@ class Squares(Dataset[torch.Tensor]):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return torch.tensor([i, i * i])
+
+
+class Numbers(Dataset[torch.Tensor]):
+    """``[i, -i]`` for each index, each sample taking ``delay`` seconds."""
+
+    def __init__(self, n: int = 40, delay: float = 0.0) -> None:
+        self.n = n
+        self.delay = delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.delay:
+            time.sleep(self.delay)
+        return torch.tensor([i, -i])
+
+
+class Scalars(Dataset[torch.Tensor]):
+    """``tensor(i)`` for each index, each sample taking ``delay`` seconds; index ``fail_at``
+    raises ``ValueError("bad sample <i>")``."""
+
+    def __init__(self, n: int, delay: float = 0.0, fail_at: int | None = None) -> None:
+        self.n = n
+        self.delay = delay
+        self.fail_at = fail_at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.fail_at:
+            raise ValueError(f"bad sample {i}")
+        if self.delay:
+            time.sleep(self.delay)
+        return torch.tensor(i)
 
 
 class DistinctiveError(Exception):

@@ -1,0 +1,86 @@
+"""Helpers shared by the test files: running a coroutine on a named event loop, and waiting on
+processes or conditions with a generous deadline instead of a fixed sleep.
+
+Datasets live in ``tests.scripts.datasets`` (importable by module path, which ``spawn`` and
+``forkserver`` workers need); this module holds what runs in the test process only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import anyio
+import psutil
+import uvloop
+
+
+def run_on(backend: str, fn: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+    """Run ``fn()`` on a fresh event loop: ``"asyncio"``, ``"uvloop"`` or ``"trio"``."""
+    if backend == "asyncio":
+        return asyncio.run(fn())
+    if backend == "uvloop":
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(fn())
+    if backend == "trio":
+        return anyio.run(fn, backend="trio")
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+def values(batches: list[Any]) -> list[list[int]]:
+    """Each batch's numbers, flattened: batches compared by content."""
+    return [b.flatten().tolist() for b in batches]
+
+
+def flat(batches: Any) -> list[int]:
+    """Every sample's number across ``batches`` (any iterable of batches), in order."""
+    return [int(x) for batch in batches for x in batch]
+
+
+def alive(pids: list[int] | set[int]) -> list[int]:
+    """The pids still running; a zombie (dead, not yet reaped) counts as gone."""
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def wait_gone(pids: list[int] | set[int], timeout: float = 5.0) -> list[int]:
+    """The pids still running after up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while (left := alive(pids)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return left
+
+
+def children() -> list[int]:
+    """Pids of this process's running descendants."""
+    return alive([p.pid for p in psutil.Process().children(recursive=True)])
+
+
+def wait_no_children(timeout: float = 5.0) -> list[int]:
+    """Pids of this process's descendants still running after up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while (left := children()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return left
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 20.0) -> bool:
+    """Poll ``condition`` until it holds or ``timeout`` seconds pass; whether it held.
+
+    The deadline is generous on purpose: it only turns a hang into a failure, and is not what
+    the caller tests.
+    """
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            return condition()
+        time.sleep(0.01)
+    return True
