@@ -17,6 +17,7 @@ The two ends are used differently:
 from __future__ import annotations
 
 import array
+import mmap
 import os
 import pickle
 import socket
@@ -32,6 +33,18 @@ _READ_CHUNK = 1 << 20
 # Room for the descriptors that can ride on one read.
 _MAX_FDS_PER_READ = 64
 _ANC_SPACE = socket.CMSG_SPACE(_MAX_FDS_PER_READ * array.array("i").itemsize)
+
+
+def _read_buffer() -> memoryview:
+    """A ``_READ_CHUNK``-byte buffer for reads, resident only where reads have written.
+
+    ``bytearray(n)`` zero-fills, so every one of its pages would be resident at once: 1 MiB per
+    channel in the parent, the same again in every worker that a fork copies it into, and 1 MiB
+    in each worker for its own end, while frames are usually a few hundred bytes. A private
+    anonymous mapping is zero without being written, so only the pages that reads reach (the
+    largest frame so far) count.
+    """
+    return memoryview(mmap.mmap(-1, _READ_CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
 
 
 class ChannelClosed(Exception):
@@ -55,7 +68,7 @@ class ParentChannel:
         self.outbox = bytearray()
         # Reads land in this buffer, made once. ``recvmsg(n)`` would allocate a fresh n-byte
         # object per call, which for 1 MiB means an mmap and a munmap per batch.
-        self._chunk = memoryview(bytearray(_READ_CHUNK))
+        self._chunk = _read_buffer()
         self.fds: deque[int] = deque()
         self.closed = False
 
@@ -146,7 +159,7 @@ class WorkerChannel:
         sock.setblocking(True)
         self.sock = sock
         self.inbox = bytearray()
-        self._chunk = memoryview(bytearray(_READ_CHUNK))  # see ParentChannel
+        self._chunk = _read_buffer()  # see ParentChannel
 
     def send(self, message: Any, fds: list[int] | None = None) -> None:
         frame = encode_frame(message)
