@@ -31,6 +31,10 @@ from typing import Any, TypeVar
 import anyio
 from torch.utils.data import IterableDataset
 
+# Detection lives in its own small module: the loader and every worker need it, and neither
+# should import anyio (this module's) to ask whether a dataset is async at all.
+from ._async_detect import batched_hook as _batched_hook
+from ._async_detect import has_async_context, is_async_dataset
 from ._fetch import (
     BaseFetcher,
     Gathered,
@@ -72,38 +76,6 @@ class AsyncIterableDataset(IterableDataset[T_co]):
 
     def __aiter__(self) -> Any:
         raise NotImplementedError
-
-
-# -- detection -------------------------------------------------------------------------------
-
-
-def _batched_hook(dataset: Any) -> Any:
-    """The dataset's async batched fetch (torch's ``__getitems__`` name, or ``getitems``)."""
-    for name in ("__getitems__", "getitems"):
-        method = getattr(type(dataset), name, None)
-        if method is not None and inspect.iscoroutinefunction(method):
-            return getattr(dataset, name)
-    return None
-
-
-def is_async_dataset(dataset: Any, dataset_kind: int) -> bool:
-    """Whether aioload fetches ``dataset`` with ``AsyncFetcher``: a map-style dataset whose
-    ``__getitem__`` or batched hook is ``async def``, or an IterableDataset with
-    ``__aiter__`` (preferred over its ``__iter__`` when it has both). Decided from the class,
-    so it is the same in the parent and in every worker."""
-    if dataset_kind == 1:
-        return callable(getattr(type(dataset), "__aiter__", None))
-    getitem = getattr(type(dataset), "__getitem__", None)
-    return inspect.iscoroutinefunction(getitem) or _batched_hook(dataset) is not None
-
-
-def has_async_context(dataset: Any) -> bool:
-    """Whether the dataset asks for per-worker async setup: it is an async context manager,
-    entered once per worker on the worker's loop and exited when the worker shuts down."""
-    kind = type(dataset)
-    return inspect.iscoroutinefunction(
-        getattr(kind, "__aenter__", None)
-    ) and inspect.iscoroutinefunction(getattr(kind, "__aexit__", None))
 
 
 class StreamEnd(Exception):

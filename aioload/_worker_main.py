@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import importlib.util
 import inspect
 import math
 import os
@@ -26,22 +27,22 @@ import pickle
 import random
 import select
 import signal
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from importlib.machinery import ModuleSpec
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-import anyio
-import anyio.abc
-import numpy as np
 import torch
 import torch.utils.data._utils.worker as torch_worker
 from torch._utils import ExceptionWrapper, KeyErrorMessage
 from torch.utils.data._utils.worker import _generate_state
 
 from . import _transport
-from ._async_fetch import AsyncFetcher, StreamEnd, has_async_context, is_async_dataset
+from ._async_detect import has_async_context, is_async_dataset
 from ._channel import ChannelClosed, WorkerChannel
 from ._datapipes import is_datapipe, reseed, shard_in_worker
 from ._fetch import Fetcher, PassPlan, SamplePolicy
@@ -59,6 +60,16 @@ from ._messages import (
     ToWorker,
 )
 from .errors import WorkerError
+
+if TYPE_CHECKING:
+    import anyio.abc
+
+    from ._async_fetch import AsyncFetcher
+
+# A worker of a sync dataset (the common case) never runs an event loop: anyio and the async
+# fetch machinery are imported by the functions of the async worker loop below, on their first
+# call, so neither the parent (which imports this module before it forks) nor a sync worker
+# pays for them.
 
 __all__ = [
     "RemoteError",
@@ -174,8 +185,66 @@ def _seed(base_seed: int, worker_id: int) -> int:
     seed = base_seed + worker_id
     random.seed(seed)
     torch.manual_seed(seed)
-    np.random.seed(_generate_state(base_seed, worker_id))  # type: ignore[no-untyped-call]
+    _seed_numpy(_generate_state(base_seed, worker_id))  # type: ignore[no-untyped-call]
     return seed
+
+
+def _seed_numpy(state: list[int]) -> None:
+    """Seed numpy's global RNG with ``state``, as torch's workers do, without importing
+    ``numpy.random`` only for that.
+
+    torch's workers import ``numpy.random`` to seed it: about 10 ms of a worker's start (before
+    its first batch) and 2-3 MiB of its memory, whether or not the dataset ever draws from it.
+    Where nothing in this process has imported it yet, nothing can have drawn from it either,
+    so the seed is applied the moment it is imported (by the dataset, ``worker_init_fn`` or a
+    library, through the import system in every case), before anyone can draw: every draw sees
+    the state torch's worker gives it.
+    """
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed(state)
+        return
+
+    def seed(module: ModuleType) -> None:
+        module.seed(state)
+
+    sys.meta_path.insert(0, _AfterImport("numpy.random", seed))
+
+
+class _AfterImport:
+    """A meta path finder that runs ``then(module)`` right after the module ``name`` has been
+    executed, before the import that loads it returns, and then leaves ``sys.meta_path``.
+
+    It finds nothing itself: the module is found by the finders behind it, and loaded by its own
+    loader, whose ``exec_module`` is wrapped on that one loader object for that one call (so the
+    module's ``__loader__`` and ``__spec__`` are what they would have been)."""
+
+    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
+        self.name = name
+        self.then = then
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        # Out first: the search below, and any later import of the name, skip this finder.
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        loader: Any = None if spec is None else spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+        then = self.then
+
+        def exec_then(module: ModuleType) -> None:
+            try:
+                exec_module(module)
+            finally:
+                del loader.exec_module
+            then(module)
+
+        loader.exec_module = exec_then
+        return spec
 
 
 def worker_main(config: WorkerConfig, sock: Any) -> None:
@@ -324,6 +393,8 @@ class WorkerStep:
             self.fetch_error = RemoteError(self.config.worker_id)
 
     def new_async_pass(self, plan: PassPlan) -> AsyncFetcher:
+        from ._async_fetch import AsyncFetcher
+
         self.fetch_error = None
         self.iteration_end = False
         fetcher = AsyncFetcher(
@@ -368,6 +439,8 @@ class WorkerStep:
         early = self.preamble()
         if early is not None:
             return early
+        from ._async_fetch import StreamEnd
+
         active: AsyncFetcher = fetcher if fetcher is not None else self.fetcher
         try:
             samples = await active.gather(task.indices)
@@ -459,6 +532,8 @@ class _ProcessWorker:
     async def _next_message_async(self) -> Reset | Task:
         """``_next_message`` without blocking the loop: the same one-second bound, after which
         a changed parent pid ends the worker."""
+        import anyio
+
         fd = self.channel.sock.fileno()
         while not self.pending:
             while not self.channel.has_frame():
@@ -625,6 +700,8 @@ class _ProcessWorker:
                         await step.fetcher.aclose()
 
     async def _serve_tasks(self) -> None:
+        import anyio
+
         step = self.step
         # Tasks and resets of an IterableDataset, in arrival order, for the one runner.
         ordered_in, ordered_out = anyio.create_memory_object_stream[Reset | Task](math.inf)
@@ -679,6 +756,8 @@ class _ProcessWorker:
         started = time.perf_counter()
         # A stale batch is cancelled without an answer: the parent drops stale answers, and
         # it does not wait for tasks of a pass it has left.
+        import anyio
+
         with anyio.CancelScope() as scope:
             running = self.gathering.setdefault(task.generation, set())
             running.add(scope)

@@ -15,7 +15,7 @@ from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampl
 from torch.utils.data._utils.collate import default_collate
 
 from . import _lazy, _sync
-from ._async_fetch import is_async_dataset
+from ._async_detect import is_async_dataset
 from ._backend import BackendKeeper, WorkerBackend
 from ._datapipes import SharedSeeds, is_datapipe, is_iter_datapipe, reseed, shard_in_process
 from ._fetch import SamplePolicy

@@ -1,0 +1,184 @@
+"""What a worker does before its first task, and what the parent keeps resident for it.
+
+- numpy's global RNG: a worker seeds it as torch's workers do, but where ``numpy.random`` has
+  not been imported yet it is seeded on import instead of imported for the seed
+  (``_worker_main._seed_numpy``). The draws must be torch's either way.
+- the parent maps a worker's slabs lazily, and the channels' read buffers are resident only
+  where reads have written (``_transport._map_fd``, ``_channel._read_buffer``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from aioload import _channel, _transport, _worker_main
+
+pytestmark = pytest.mark.timeout(120)
+
+_REPO = str(Path(__file__).resolve().parents[1])
+
+# Run in a fresh interpreter, where nothing has imported numpy.random: a dataset that imports
+# it inside __getitem__ draws from it, under torch's loader and aioload's, forked workers.
+_LATE_NUMPY_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from torch.utils.data import DataLoader as TorchLoader, Dataset
+
+    # Whether numpy.random was in this worker before its dataset first imported it.
+    imported_before = None
+
+    class LateNumpy(Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, index):
+            global imported_before
+            if imported_before is None:
+                imported_before = "numpy.random" in sys.modules
+            import numpy.random
+
+            info = torch.utils.data.get_worker_info()
+            return {"worker": info.id, "imported_before": imported_before,
+                    "draw": int(numpy.random.randint(0, 2**31)),
+                    "state": int(numpy.random.get_state()[1][0])}
+
+    def run(cls):
+        loader = cls(LateNumpy(), batch_size=2, num_workers=2,
+                     generator=torch.Generator().manual_seed(1234),
+                     multiprocessing_context="fork")
+        rows = []
+        for batch in loader:
+            for i in range(len(batch["draw"])):
+                rows.append({k: (v[i].item() if hasattr(v[i], "item") else v[i])
+                             for k, v in batch.items()})
+        return rows
+
+    assert "numpy.random" not in sys.modules, "the test needs a parent without numpy.random"
+    import aioload
+    result = {"torch": run(TorchLoader), "aioload": run(aioload.DataLoader),
+              "parent_imported": "numpy.random" in sys.modules}
+    print(json.dumps(result))
+    """
+)
+
+
+def test_numpy_seeded_on_import_draws_as_torch(no_leaks: None) -> None:
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")]))
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", _LATE_NUMPY_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    # The parent never needed numpy.random, so aioload's workers took the on-import path
+    # (torch's imported it to seed it) ...
+    assert not result["parent_imported"]
+    assert not any(row["imported_before"] for row in result["aioload"])
+    assert all(row["imported_before"] for row in result["torch"])
+    # ... and drew exactly what torch's workers (which import it to seed it) drew.
+    assert [row["draw"] for row in result["aioload"]] == [row["draw"] for row in result["torch"]]
+    assert [row["state"] for row in result["aioload"]] == [row["state"] for row in result["torch"]]
+    assert [row["worker"] for row in result["aioload"]] == [0, 0, 1, 1, 0, 0, 1, 1]
+
+
+@pytest.fixture
+def module_dir(tmp_path: Path) -> Iterator[Path]:
+    sys.path.insert(0, str(tmp_path))
+    try:
+        yield tmp_path
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in ("aioload_hooked_ok", "aioload_hooked_broken"):
+            sys.modules.pop(name, None)
+
+
+def test_after_import_runs_once_after_the_module_and_leaves(module_dir: Path) -> None:
+    (module_dir / "aioload_hooked_ok.py").write_text("VALUE = 41\nVALUE += 1\n")
+    seen: list[int] = []
+
+    def then(module: ModuleType) -> None:
+        seen.append(module.VALUE)
+
+    finder = _worker_main._AfterImport("aioload_hooked_ok", then)
+    sys.meta_path.insert(0, finder)
+    try:
+        import aioload_hooked_ok  # type: ignore[import-not-found]
+    finally:
+        assert finder not in sys.meta_path
+    assert seen == [42]  # after the whole module ran, once
+    loader = aioload_hooked_ok.__loader__
+    assert aioload_hooked_ok.__spec__.loader is loader
+    assert "exec_module" not in vars(loader)  # the wrapper is gone from the loader object
+    sys.modules.pop("aioload_hooked_ok")
+    import aioload_hooked_ok as again  # noqa: F401
+
+    assert seen == [42]
+
+
+def test_after_import_of_a_failing_module_runs_nothing(module_dir: Path) -> None:
+    (module_dir / "aioload_hooked_broken.py").write_text("raise ImportError('broken')\n")
+    seen: list[ModuleType] = []
+    finder = _worker_main._AfterImport("aioload_hooked_broken", seen.append)
+    sys.meta_path.insert(0, finder)
+    with pytest.raises(ImportError, match="broken"):
+        import aioload_hooked_broken  # type: ignore[import-not-found]  # noqa: F401
+    assert finder not in sys.meta_path
+    assert seen == []
+
+
+def _resident_kib(address: int) -> int:
+    """Rss of the mapping that starts at ``address``, from /proc/self/smaps."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-", 1)[0] == f"{address:x}":
+            for field in lines[i + 1 :]:
+                if field.startswith("Rss:"):
+                    return int(field.split()[1])
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+def test_parent_maps_slabs_lazily_and_the_worker_populated() -> None:
+    size = 256 * 4096
+    fd = _transport._create_memfd(size)
+    try:
+        written = _transport._map_fd(fd, size, populate=True)
+        read = _transport._map_fd(fd, size, populate=False)
+    finally:
+        os.close(fd)
+    import ctypes
+
+    assert _resident_kib(ctypes.addressof(written)) == size // 1024
+    assert _resident_kib(ctypes.addressof(read)) == 0
+    written[5 * 4096] = 7
+    assert read[5 * 4096] == 7  # the same memory ...
+    # ... of which only what was read counts (the page, and the few around it that the kernel
+    # maps along with it on a read fault: 64 KiB by default)
+    assert 4 <= _resident_kib(ctypes.addressof(read)) <= 64
+
+
+def test_read_buffer_is_resident_only_where_written() -> None:
+    buffer = _channel._read_buffer()
+    assert len(buffer) == _channel._READ_CHUNK
+    import ctypes
+
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    assert _resident_kib(address) == 0
+    buffer[:10] = b"0123456789"
+    assert _resident_kib(address) == 4
+    assert bytes(buffer[:10]) == b"0123456789"
