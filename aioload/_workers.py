@@ -4,7 +4,8 @@ Everything the orchestrator waits on goes through one selector (epoll on Linux):
 socket and each worker's process sentinel, which becomes readable when the process exits. The
 selector's own descriptor is what the event loop waits on, through ``anyio.wait_readable``, so
 one await covers every worker under asyncio, uvloop and trio alike, and nothing runs detached:
-between two awaits of the consumer, no aioload code runs at all.
+between two awaits of the consumer, no aioload code runs at all. The sync front end blocks on
+the same selector directly (``wait_blocking``), with no event loop.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-import anyio
 
 from ._channel import ChannelClosed, ParentChannel
 from ._fetch import PassPlan, SamplePolicy
@@ -190,6 +189,8 @@ class WorkerPool:
         self.plans: list[PassPlan] = [PassPlan()] * self.num_workers
         # Deaths seen while waiting (by the health check), reported by the next poll().
         self._lost: list[Event] = []
+        # What woke wait_blocking's select, for the poll() right after it.
+        self._woken: list[tuple[selectors.SelectorKey, int]] | None = None
         self._owner_pid = os.getpid()
         _pools.add(self)
         self._start()
@@ -339,7 +340,10 @@ class WorkerPool:
             events.extend(self._lost)
             self._lost.clear()
         dead: list[_WorkerHandle] = []
-        for key, mask in self.selector.select(0):
+        woken, self._woken = self._woken, None
+        # (Registrations may have changed since wait_blocking's select: a stale key is for a
+        # worker already handled, which the checks below skip.)
+        for key, mask in woken if woken is not None else self.selector.select(0):
             worker, what = key.data
             if what == "wake":
                 continue  # its owner drains it
@@ -453,10 +457,9 @@ class WorkerPool:
         """Wait until something may have arrived, a worker exited, ``wake_fd`` (the pin
         stage's pipe) became readable, or ``deadline`` (in ``time.monotonic()`` seconds;
         ``math.inf`` for none) passes."""
-        self._flush()
-        if wake_fd != self._wake_fd:
-            self._watch(wake_fd)
-        budget = min(deadline - time.monotonic(), _HEALTH_CHECK_S)
+        import anyio
+
+        budget = self._before_wait(deadline, wake_fd)
         if budget <= 0:
             return
         with anyio.move_on_after(budget):
@@ -465,6 +468,24 @@ class WorkerPool:
         # Nothing woke us: only then is a health check worth its syscalls, since every
         # worker's death already wakes us through its sentinel.
         self._check_health()
+
+    def wait_blocking(self, deadline: float, wake_fd: int | None = None) -> bool:
+        """``wait`` in the calling thread: the selector itself blocks. What woke it is kept
+        for the ``poll`` that follows, which then needs no select of its own."""
+        budget = self._before_wait(deadline, wake_fd)
+        if budget > 0:
+            self._woken = self.selector.select(budget)
+            if not self._woken:
+                self._check_health()  # as in wait(): only when nothing woke us
+        return True
+
+    def _before_wait(self, deadline: float, wake_fd: int | None) -> float:
+        """Send what is queued and watch ``wake_fd``; how long the wait may last (at most
+        the health-check period)."""
+        self._flush()
+        if wake_fd != self._wake_fd:
+            self._watch(wake_fd)
+        return min(deadline - time.monotonic(), _HEALTH_CHECK_S)
 
     def _watch(self, fd: int | None) -> None:
         # The previous pass's pin stage pipe, if any, is closed by now: forget it.
