@@ -143,6 +143,8 @@ class _WorkerHandle:
         self.mappings = SlabMappings()
         self.exited = False
         self.release: Callable[[int], None] = _no_release
+        # Whether the selector watches its socket for writability (see WorkerPool._pump_out).
+        self.watching_write = False
 
 
 def _no_release(slab_id: int) -> None:
@@ -299,42 +301,56 @@ class WorkerPool:
         # while the consumer works on that batch, not at the consumer's next request.
         worker = self.workers[worker_id]
         worker.channel.queue(Task(task_id, self.generation, indices))
-        if not worker.channel.closed:
-            self._pump_out(worker)
+        self._flush()
+
+    def _queue_frees(self) -> None:
+        """Put the slabs the consumer has let go of in their workers' outboxes (unsent)."""
+        if not self.releases:
+            return
+        freed: dict[_WorkerHandle, list[int]] = {}
+        while self.releases:
+            worker, slab_id = self.releases.popleft()
+            freed.setdefault(worker, []).append(slab_id)
+        for worker, slab_ids in freed.items():
+            if not worker.exited and not worker.channel.closed:
+                worker.channel.queue(FreeSlabs(slab_ids))
 
     def _flush(self) -> None:
         """Return freed slabs to their workers and write what fits of every outbox."""
-        if self.releases:
-            freed: dict[_WorkerHandle, list[int]] = {}
-            while self.releases:
-                worker, slab_id = self.releases.popleft()
-                freed.setdefault(worker, []).append(slab_id)
-            for worker, slab_ids in freed.items():
-                if not worker.exited and not worker.channel.closed:
-                    worker.channel.queue(FreeSlabs(slab_ids))
+        self._queue_frees()
         for worker in self.workers:
             if worker.channel.outbox and not worker.channel.closed:
                 self._pump_out(worker)
 
     def _pump_out(self, worker: _WorkerHandle) -> None:
         """Write what fits of a worker's outbox, and watch for writability while some is left."""
-        # A closed channel's death is reported through its sentinel.
-        with contextlib.suppress(ChannelClosed):
+        # (Not contextlib.suppress: this runs for every batch, and the context manager costs
+        # more than the send's bookkeeping.)
+        try:  # noqa: SIM105 - its death is reported through its sentinel
             worker.channel.pump_out()
-        self._watch_writable(worker)
-
-    def _watch_writable(self, worker: _WorkerHandle) -> None:
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if worker.channel.outbox else 0)
-        with contextlib.suppress(KeyError, ValueError):
-            key = self.selector.get_key(worker.channel.sock)
-            if key.events != events:
-                self.selector.modify(worker.channel.sock, events, key.data)
+        except ChannelClosed:
+            pass
+        # Writability is watched only while something is left: epoll would otherwise report a
+        # writable socket on every wait. The handle remembers what is registered, so the
+        # common case (all sent, nothing watched) costs no selector call.
+        watch_write = bool(worker.channel.outbox)
+        if watch_write != worker.watching_write:
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if watch_write else 0)
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.modify(worker.channel.sock, events, (worker, "sock"))
+                worker.watching_write = watch_write
 
     # -- results -----------------------------------------------------------------------------
 
     def poll(self) -> list[Event]:
-        """Send what was submitted, then everything that has arrived, without waiting."""
-        self._flush()
+        """Everything that has arrived, without waiting.
+
+        Freed slabs are only queued here, not sent: in the steady state the orchestrator
+        hands a batch over right after this and refills the window with a ``submit``, which
+        sends them together with the task, in one write (with two workers, the batch the
+        consumer just dropped and the refill go to the same worker). Whatever no ``submit``
+        takes along goes out before any wait (``_before_wait``)."""
+        self._queue_frees()
         events: list[Event] = []
         if self._lost:
             events.extend(self._lost)
