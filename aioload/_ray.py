@@ -331,22 +331,8 @@ class RayBackend:
     # -- actors ------------------------------------------------------------------------------
 
     def _start_actor(self, worker_id: int) -> _Slot:
-        spec = self.spec
-        config = WorkerConfig(
-            worker_id=worker_id,
-            num_workers=self.num_workers,
-            base_seed=self.base_seed,
-            generation=self.generation,
-            dataset_kind=spec.dataset_kind,
-            auto_collation=spec.auto_collation,
-            drop_last=spec.drop_last,
-            payload=b"",
-            slab_collate=False,
-            max_idle_slabs=0,
-            rank=spec.rank,
-            world_size=spec.world_size,
-            worker_concurrency=spec.worker_concurrency,
-            sample_policy=spec.sample_policy,
+        config = self.spec.worker_config(
+            worker_id, self.base_seed, self.generation, payload=b"", shared_memory=False
         )
         actor: Any = self._actor_class.options(name=None).remote(config, self._payload)
         self._incarnations += 1

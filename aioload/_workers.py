@@ -22,7 +22,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -46,6 +46,9 @@ from ._messages import (
 )
 from ._transport import SlabMappings
 from .errors import WorkerDiedError
+
+if TYPE_CHECKING:
+    from ._worker_main import WorkerConfig
 
 __all__ = ["WorkerPool", "WorkerSpec"]
 
@@ -102,6 +105,41 @@ class WorkerSpec:
     world_size: int = 1
     worker_concurrency: int = 1
     sample_policy: SamplePolicy | None = None
+
+    def worker_config(
+        self,
+        worker_id: int,
+        base_seed: int,
+        generation: int,
+        *,
+        payload: tuple[Any, Any, Any] | bytes,
+        shared_memory: bool,
+    ) -> WorkerConfig:
+        """What worker ``worker_id`` starts with, whichever backend runs it. ``payload``: how
+        ``(dataset, collate_fn, worker_init_fn)`` reach it (``_payload``; a Ray actor gets
+        them from the object store instead). ``shared_memory``: whether it answers through
+        shared-memory slabs (a local process), or returns its batches as values (a Ray actor:
+        no slab collate, no idle slabs kept)."""
+        # Imported here, as in WorkerPool._spawn: the worker-side code is not loaded with the
+        # package.
+        from ._worker_main import WorkerConfig
+
+        return WorkerConfig(
+            worker_id=worker_id,
+            num_workers=self.num_workers,
+            base_seed=base_seed,
+            generation=generation,
+            dataset_kind=self.dataset_kind,
+            auto_collation=self.auto_collation,
+            drop_last=self.drop_last,
+            payload=payload,
+            slab_collate=self.slab_collate and shared_memory,
+            max_idle_slabs=self.prefetch_factor + 1 if shared_memory else 0,
+            rank=self.rank,
+            world_size=self.world_size,
+            worker_concurrency=self.worker_concurrency,
+            sample_policy=self.sample_policy,
+        )
 
 
 def _payload(objects: tuple[Any, Any, Any], forking: bool) -> tuple[Any, Any, Any] | bytes:
@@ -213,29 +251,15 @@ class WorkerPool:
     def _spawn(self, worker_id: int) -> _WorkerHandle:
         # The worker-side code is imported on the first spawn, not with the package: the
         # parent never runs it, a fork only needs it in memory, and `import aioload` stays cheap.
-        from ._worker_main import WorkerConfig, worker_main
+        from ._worker_main import worker_main
 
-        spec = self.spec
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         channel = ParentChannel(parent_sock)
         # Registered before the fork, so that the new worker closes its inherited copy of our
         # end too (see _disown_after_fork): holding it, it would never see EOF from us.
         _parent_fds.add(channel)
-        config = WorkerConfig(
-            worker_id=worker_id,
-            num_workers=self.num_workers,
-            base_seed=self.base_seed,
-            generation=self.generation,
-            dataset_kind=spec.dataset_kind,
-            auto_collation=spec.auto_collation,
-            drop_last=spec.drop_last,
-            payload=self._payload,
-            slab_collate=spec.slab_collate,
-            max_idle_slabs=spec.prefetch_factor + 1,
-            rank=spec.rank,
-            world_size=spec.world_size,
-            worker_concurrency=spec.worker_concurrency,
-            sample_policy=spec.sample_policy,
+        config = self.spec.worker_config(
+            worker_id, self.base_seed, self.generation, payload=self._payload, shared_memory=True
         )
         process = self._ctx.Process(
             target=worker_main,
