@@ -52,7 +52,7 @@ from ._messages import (
     ValueBatch,
     WorkerLost,
 )
-from ._worker_main import WorkerConfig, WorkerStep
+from ._worker_main import StepResult, WorkerConfig, WorkerStep
 from ._workers import WorkerSpec
 from .errors import WorkerDiedError
 
@@ -92,15 +92,7 @@ class _ActorImpl:
 
     def run(self, task: Task) -> Reply:
         started = time.perf_counter()
-        result = self.step.run(task)
-        stream = None
-        wire: Any
-        if isinstance(result, Failure | StreamEnded):
-            wire = result
-        else:
-            stream = result.stream
-            wire = ValueBatch(to_wire(result.data))
-        return Reply(task.task_id, task.generation, wire, stream, time.perf_counter() - started, [])
+        return _reply(task, self.step.run(task), started)
 
 
 class _AsyncActorImpl(_ActorImpl):
@@ -156,14 +148,21 @@ class _AsyncActorImpl(_ActorImpl):
                 result = await self.step.run_async(task)
         else:
             result = await self.step.run_async(task, self.step.fetcher)
-        stream = None
-        wire: Any
-        if isinstance(result, Failure | StreamEnded):
-            wire = result
-        else:
-            stream = result.stream
-            wire = ValueBatch(to_wire(result.data))
-        return Reply(task.task_id, task.generation, wire, stream, time.perf_counter() - started, [])
+        return _reply(task, result, started)
+
+
+def _reply(task: Task, result: StepResult, started: float) -> Reply:
+    """An actor's answer to ``task``: ``result`` is what the WorkerStep returned for it (a
+    batch, a Failure or StreamEnded), with the batch's tensors put on the wire (``to_wire``);
+    busy since ``started`` (``time.perf_counter()``)."""
+    stream = None
+    wire: Any
+    if isinstance(result, Failure | StreamEnded):
+        wire = result
+    else:
+        stream = result.stream
+        wire = ValueBatch(to_wire(result.data))
+    return Reply(task.task_id, task.generation, wire, stream, time.perf_counter() - started, [])
 
 
 class _TensorBytes:
