@@ -24,6 +24,7 @@ Two things differ from the sync fetcher:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any, TypeVar
@@ -348,47 +349,26 @@ class AsyncFetcher(BaseFetcher):
     async def _draw(self) -> Any:
         """The stream's next sample under the policy (``_Failed`` when skipped); as the sync
         fetcher's ``_draw``, without retries."""
-        position = self.samples_seen
         try:
             return await self._next_sample()
         except StopAsyncIteration:
             raise
         except Exception as exc:
-            if not self.policy.skips(position, exc):
+            if not self.policy.skips(self.samples_seen, exc):
                 raise
-            self.samples_seen += 1
-            return _Failed(_record(position, exc, 1))
+            return self.lost_draw(exc)
 
     async def _gather_iterable_policy(self, indices: Any) -> Gathered:
         if not self.started:
             await self.start()
         if self.ended:
             raise StreamEnd
-        keys: list[Any] = []
+        wanted = len(indices) if self.auto_collation else 1
         samples: list[Any] = []
-        if not self.auto_collation:
-            position = self.samples_seen
-            try:
+        with contextlib.suppress(StopAsyncIteration):
+            while len(samples) < wanted:
                 samples.append(await self._draw())
-            except StopAsyncIteration:
-                self.ended = True
-                raise StreamEnd from None
-            keys.append(position)
-            return Gathered(keys, samples)
-        ran_dry = False
-        for _ in indices:
-            position = self.samples_seen
-            try:
-                sample = await self._draw()
-            except StopAsyncIteration:
-                self.ended = ran_dry = True
-                break
-            keys.append(position)
-            samples.append(sample)
-        if not samples or (self.drop_last and ran_dry and len(samples) < len(indices)):
-            self.ended = True
-            raise StreamEnd
-        return Gathered(keys, samples)
+        return self.drawn_batch(samples, wanted, StreamEnd)
 
     async def start(self) -> None:
         """Open the stream: load the checkpointed state, or fast-forward past what was yielded
