@@ -36,8 +36,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
-
+from ._backend import wait_readable
 from ._fetch import PassPlan
 from ._messages import (
     Answer,
@@ -442,13 +441,24 @@ class RayBackend:
         )
 
     async def wait(self, deadline: float, wake_fd: int | None = None) -> None:
+        budget = self._before_wait(deadline, wake_fd)
+        if budget <= 0:
+            return
+        await wait_readable(self.selector.fileno(), budget)
+
+    def wait_blocking(self, deadline: float, wake_fd: int | None = None) -> bool:
+        budget = self._before_wait(deadline, wake_fd)
+        if budget > 0:
+            self.selector.select(budget)
+        return True
+
+    def _before_wait(self, deadline: float, wake_fd: int | None) -> float:
+        """Watch ``wake_fd``; how long the wait may last (0: something is already here)."""
         if wake_fd != self._wake_fd:
             self._watch(wake_fd)
-        budget = min(deadline - time.monotonic(), _HEALTH_CHECK_S)
-        if self._ready or self._lost or budget <= 0:
-            return
-        with anyio.move_on_after(budget):
-            await anyio.wait_readable(self.selector.fileno())
+        if self._ready or self._lost:
+            return 0.0
+        return min(deadline - time.monotonic(), _HEALTH_CHECK_S)
 
     def _watch(self, fd: int | None) -> None:
         if self._wake_fd is not None:
