@@ -48,6 +48,11 @@ class WorkerBackend(Protocol):
         """Wait until ``poll`` may have something, ``wake_fd`` is readable (the pin stage),
         or ``deadline`` (``time.monotonic()`` seconds) passes. Never blocks the event loop."""
 
+    def wait_blocking(self, deadline: float, wake_fd: int | None = None) -> bool:
+        """``wait`` for the sync front end: blocks the calling thread, with no event loop.
+        Returns False at once, having waited for nothing, where waiting needs a loop (an async
+        dataset in the calling process); the front end then runs ``wait`` on its own loop."""
+
     def restart(self, worker_id: int) -> None:
         """Replace a lost worker in its slot, on this pass's plan."""
 

@@ -102,6 +102,12 @@ class ParentChannel:
                 break
             self.inbox += self._chunk[:nbytes]
             read += nbytes
+            if nbytes < len(self._chunk) and not ancdata:
+                # A short read took everything the socket held: another recvmsg would only
+                # fail with EAGAIN (a syscall and an exception per poll). A read that carried
+                # descriptors may have stopped at them, with more behind: that one reads on.
+                # Whatever arrives later wakes the selector again.
+                break
         frames = self._split()
         # Frames that arrived before the close are handed back first; the next call, reading
         # the closed socket again, finds no frame and raises.

@@ -3,7 +3,7 @@
 This is the ``_backend.WorkerBackend`` with one worker, the calling process, so every kind of
 loading shares one engine. Under ``async for`` the fetch runs in a thread of the
 caller's event loop (dataset code never runs on the loop itself); under ``for`` it runs directly
-on the private loop, which has nothing else to do.
+in the calling thread, with no loop at all.
 
 An async dataset is the exception: its coroutines are awaited on the loop itself (the caller's
 under ``async for``, with anyio so that trio works too; the private one under ``for``), with up
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+import select
 import time
 import warnings
 from typing import Any
@@ -94,6 +95,23 @@ class InlineBackend:
             outcome = await anyio.to_thread.run_sync(self._fetch, *self.task)
         else:
             outcome = self._fetch(*self.task)
+        self._answered(outcome, started)
+
+    def wait_blocking(self, deadline: float, wake_fd: int | None = None) -> bool:
+        """The sync front end's wait: a plain dataset is fetched right here (the calling thread
+        has nothing else to do); an async one needs a loop to run on."""
+        if self.task is None:
+            if wake_fd is not None:
+                select.select([wake_fd], [], [])  # only the pin stage has work
+            return True
+        if self.is_async:
+            return False
+        started = time.perf_counter()
+        self._answered(self._fetch(*self.task), started)
+        return True
+
+    def _answered(self, outcome: Outcome, started: float) -> None:
+        assert self.task is not None
         task_id = self.task[0]
         self.task = None
         stream, self.stream = self.stream, None

@@ -2,11 +2,15 @@
 
 One Orchestrator serves one pass over the sampler, described by one frozen ``PassSetup``. It is
 pure bookkeeping on the event loop: it sends ``(task_id, indices)`` to the workers of a
-``_backend.WorkerBackend`` (processes, the calling process, or Ray actors), keeps at most ``prefetch_factor * num_workers`` tasks
-between "sent" and "yielded", and hands batches out in task-id order (or as they complete, with
+``_backend.WorkerBackend`` (processes, the calling process, or Ray actors), keeps at most
+``prefetch_factor * num_workers`` tasks between "sent" and "yielded", and hands batches out in task-id order (or as they complete, with
 ``in_order=False``). It starts no tasks of its own: all of its work happens inside the
 consumer's ``await engine.next()``, so it needs no task group, cannot leak a background task,
 and is cancelled exactly when the consumer is.
+
+The sync front end drives the same orchestrator without an event loop where it can
+(``next_blocking``: the waits block the calling thread). anyio is imported only by the async
+paths that use it, so ``for batch in loader`` never pays for importing it.
 
 Worker assignment follows torch's DataLoader (round robin over active workers, and with
 ``in_order=False`` a per-worker cap), so each index lands on the same worker id as it would under
@@ -23,9 +27,6 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple, NoReturn
-
-import anyio
-import anyio.lowlevel
 
 from ._backend import WorkerBackend
 from ._fetch import PassPlan, take_skips
@@ -267,36 +268,81 @@ class Orchestrator:
         await _checkpoint()
         if self._over():
             return END
-        self._busy = True
-        try:
-            if self._backend is _NOT_STARTED:
+        if self._backend is _NOT_STARTED:
+            self._busy = True
+            try:
                 await self._start()
-                if self._closed:
-                    return END
-        finally:
-            self._busy = False
-        deadline = time.monotonic() + self._timeout if self._timeout > 0 else math.inf
+            finally:
+                self._busy = False
+            if self._closed:
+                return END
+        deadline = self._deadline()
         while True:
-            result = self.step()
+            result, deadline = self._step_before(deadline)
             if result is not PENDING:
                 return result
-            if time.monotonic() >= deadline:
-                stuck = self._stuck_worker()
-                if stuck is not None and self._restarts_left > 0:
-                    # A hung worker, and healing is on: stop it; its loss is handled as any
-                    # other (replaced, its tasks sent again) and the wait starts over.
-                    self._backend.abandon(stuck)
-                    deadline = time.monotonic() + self._timeout
-                    continue
+            self._busy = True
+            try:
+                await self._backend.wait(deadline, self._wake_fd())
+            finally:
+                self._busy = False
+
+    def next_blocking(self) -> Any:
+        """``next`` for the sync front end: the waits block the calling thread, with no event
+        loop. Returns PENDING, having waited for nothing, where a wait needs a loop (the
+        backend starts in a thread, or an async dataset runs in this process); the front end
+        then runs ``next`` on its private loop.
+
+        A loop costs the sync path a lot per wait (uvloop sets up and tears down its signal
+        wake-up socketpair on every ``run_until_complete``) and buys it nothing: it has no
+        other tasks to run. Ctrl-C interrupts the blocking ``select`` as it would any sync
+        call; the orchestrator's state is consistent at every wait, so the pass can be closed
+        or resumed as after any other exception.
+        """
+        if self._over():
+            return END
+        if self._backend is _NOT_STARTED:
+            if self._setup.offload_start:
+                return PENDING
+            self._adopt(self._make_owned_backend())
+            if self._closed:
+                return END
+        deadline = self._deadline()
+        while True:
+            result, deadline = self._step_before(deadline)
+            if result is not PENDING:
+                return result
+            self._busy = True
+            try:
+                if not self._backend.wait_blocking(deadline, self._wake_fd()):
+                    return PENDING
+            finally:
+                self._busy = False
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self._timeout if self._timeout > 0 else math.inf
+
+    def _wake_fd(self) -> int | None:
+        return self._stage.wake_r if self._stage is not None else None
+
+    def _step_before(self, deadline: float) -> tuple[Any, float]:
+        """``step()``, handling a passed ``deadline`` (``timeout``): with healing on, the worker
+        holding the oldest task is stopped and the step runs again with a fresh deadline;
+        otherwise the timeout error is raised. Returns the step's result and the deadline the
+        next wait is bounded by."""
+        while True:
+            result = self.step()
+            if result is not PENDING or time.monotonic() < deadline:
+                return result, deadline
+            stuck = self._stuck_worker()
+            if stuck is None or self._restarts_left <= 0:
                 # Stuck in a sample: this pass may go on, but no other runs on these workers.
                 self._backend.retire()
                 raise self._timeout_error()
-            self._busy = True
-            try:
-                wake_fd = self._stage.wake_r if self._stage is not None else None
-                await self._backend.wait(deadline, wake_fd)
-            finally:
-                self._busy = False
+            # A hung worker, and healing is on: stop it; its loss is handled as any other
+            # (replaced, its tasks sent again) and the wait starts over.
+            self._backend.abandon(stuck)
+            deadline = time.monotonic() + self._timeout
 
     def _make_owned_backend(self) -> WorkerBackend:
         # The pass takes ownership in the thread that makes the pool, not after the await: a
@@ -311,11 +357,17 @@ class Orchestrator:
 
     async def _start(self) -> None:
         if self._setup.offload_start:
+            import anyio
+
             with anyio.CancelScope(shield=True):
                 # Shielded: a pool half-made when a cancellation arrives would be orphaned.
                 backend = await anyio.to_thread.run_sync(self._make_owned_backend)
         else:
             backend = self._make_owned_backend()
+        self._adopt(backend)
+
+    def _adopt(self, backend: WorkerBackend) -> None:
+        """Take a just-made backend as this pass's and begin the pass on it."""
         self._backend = backend
         if self._setup.transfer is not None:
             self._stage = PinStage(self._setup.transfer, depth=self._setup.prefetch)
@@ -597,6 +649,8 @@ class Orchestrator:
         if self._closed:
             await _checkpoint()
             return
+        import anyio
+
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(self.close)
 
@@ -608,6 +662,8 @@ async def _checkpoint() -> None:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
+        import anyio.lowlevel
+
         await anyio.lowlevel.checkpoint()  # trio
     else:
         await asyncio.sleep(0)

@@ -457,13 +457,25 @@ class RayBackend:
         )
 
     async def wait(self, deadline: float, wake_fd: int | None = None) -> None:
-        if wake_fd != self._wake_fd:
-            self._watch(wake_fd)
-        budget = min(deadline - time.monotonic(), _HEALTH_CHECK_S)
-        if self._ready or self._lost or budget <= 0:
+        budget = self._before_wait(deadline, wake_fd)
+        if budget <= 0:
             return
         with anyio.move_on_after(budget):
             await anyio.wait_readable(self.selector.fileno())
+
+    def wait_blocking(self, deadline: float, wake_fd: int | None = None) -> bool:
+        budget = self._before_wait(deadline, wake_fd)
+        if budget > 0:
+            self.selector.select(budget)
+        return True
+
+    def _before_wait(self, deadline: float, wake_fd: int | None) -> float:
+        """Watch ``wake_fd``; how long the wait may last (0: something is already here)."""
+        if wake_fd != self._wake_fd:
+            self._watch(wake_fd)
+        if self._ready or self._lost:
+            return 0.0
+        return min(deadline - time.monotonic(), _HEALTH_CHECK_S)
 
     def _watch(self, fd: int | None) -> None:
         if self._wake_fd is not None:

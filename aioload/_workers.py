@@ -4,7 +4,8 @@ Everything the orchestrator waits on goes through one selector (epoll on Linux):
 socket and each worker's process sentinel, which becomes readable when the process exits. The
 selector's own descriptor is what the event loop waits on, through ``anyio.wait_readable``, so
 one await covers every worker under asyncio, uvloop and trio alike, and nothing runs detached:
-between two awaits of the consumer, no aioload code runs at all.
+between two awaits of the consumer, no aioload code runs at all. The sync front end blocks on
+the same selector directly (``wait_blocking``), with no event loop.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-import anyio
 
 from ._channel import ChannelClosed, ParentChannel
 from ._fetch import PassPlan, SamplePolicy
@@ -144,6 +143,8 @@ class _WorkerHandle:
         self.mappings = SlabMappings()
         self.exited = False
         self.release: Callable[[int], None] = _no_release
+        # Whether the selector watches its socket for writability (see WorkerPool._pump_out).
+        self.watching_write = False
 
 
 def _no_release(slab_id: int) -> None:
@@ -190,6 +191,8 @@ class WorkerPool:
         self.plans: list[PassPlan] = [PassPlan()] * self.num_workers
         # Deaths seen while waiting (by the health check), reported by the next poll().
         self._lost: list[Event] = []
+        # What woke wait_blocking's select, for the poll() right after it.
+        self._woken: list[tuple[selectors.SelectorKey, int]] | None = None
         self._owner_pid = os.getpid()
         _pools.add(self)
         self._start()
@@ -298,48 +301,65 @@ class WorkerPool:
         # while the consumer works on that batch, not at the consumer's next request.
         worker = self.workers[worker_id]
         worker.channel.queue(Task(task_id, self.generation, indices))
-        if not worker.channel.closed:
-            self._pump_out(worker)
+        self._flush()
+
+    def _queue_frees(self) -> None:
+        """Put the slabs the consumer has let go of in their workers' outboxes (unsent)."""
+        if not self.releases:
+            return
+        freed: dict[_WorkerHandle, list[int]] = {}
+        while self.releases:
+            worker, slab_id = self.releases.popleft()
+            freed.setdefault(worker, []).append(slab_id)
+        for worker, slab_ids in freed.items():
+            if not worker.exited and not worker.channel.closed:
+                worker.channel.queue(FreeSlabs(slab_ids))
 
     def _flush(self) -> None:
         """Return freed slabs to their workers and write what fits of every outbox."""
-        if self.releases:
-            freed: dict[_WorkerHandle, list[int]] = {}
-            while self.releases:
-                worker, slab_id = self.releases.popleft()
-                freed.setdefault(worker, []).append(slab_id)
-            for worker, slab_ids in freed.items():
-                if not worker.exited and not worker.channel.closed:
-                    worker.channel.queue(FreeSlabs(slab_ids))
+        self._queue_frees()
         for worker in self.workers:
             if worker.channel.outbox and not worker.channel.closed:
                 self._pump_out(worker)
 
     def _pump_out(self, worker: _WorkerHandle) -> None:
         """Write what fits of a worker's outbox, and watch for writability while some is left."""
-        # A closed channel's death is reported through its sentinel.
-        with contextlib.suppress(ChannelClosed):
+        # (Not contextlib.suppress: this runs for every batch, and the context manager costs
+        # more than the send's bookkeeping.)
+        try:  # noqa: SIM105 - its death is reported through its sentinel
             worker.channel.pump_out()
-        self._watch_writable(worker)
-
-    def _watch_writable(self, worker: _WorkerHandle) -> None:
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if worker.channel.outbox else 0)
-        with contextlib.suppress(KeyError, ValueError):
-            key = self.selector.get_key(worker.channel.sock)
-            if key.events != events:
-                self.selector.modify(worker.channel.sock, events, key.data)
+        except ChannelClosed:
+            pass
+        # Writability is watched only while something is left: epoll would otherwise report a
+        # writable socket on every wait. The handle remembers what is registered, so the
+        # common case (all sent, nothing watched) costs no selector call.
+        watch_write = bool(worker.channel.outbox)
+        if watch_write != worker.watching_write:
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if watch_write else 0)
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.modify(worker.channel.sock, events, (worker, "sock"))
+                worker.watching_write = watch_write
 
     # -- results -----------------------------------------------------------------------------
 
     def poll(self) -> list[Event]:
-        """Send what was submitted, then everything that has arrived, without waiting."""
-        self._flush()
+        """Everything that has arrived, without waiting.
+
+        Freed slabs are only queued here, not sent: in the steady state the orchestrator
+        hands a batch over right after this and refills the window with a ``submit``, which
+        sends them together with the task, in one write (with two workers, the batch the
+        consumer just dropped and the refill go to the same worker). Whatever no ``submit``
+        takes along goes out before any wait (``_before_wait``)."""
+        self._queue_frees()
         events: list[Event] = []
         if self._lost:
             events.extend(self._lost)
             self._lost.clear()
         dead: list[_WorkerHandle] = []
-        for key, mask in self.selector.select(0):
+        woken, self._woken = self._woken, None
+        # (Registrations may have changed since wait_blocking's select: a stale key is for a
+        # worker already handled, which the checks below skip.)
+        for key, mask in woken if woken is not None else self.selector.select(0):
             worker, what = key.data
             if what == "wake":
                 continue  # its owner drains it
@@ -453,10 +473,9 @@ class WorkerPool:
         """Wait until something may have arrived, a worker exited, ``wake_fd`` (the pin
         stage's pipe) became readable, or ``deadline`` (in ``time.monotonic()`` seconds;
         ``math.inf`` for none) passes."""
-        self._flush()
-        if wake_fd != self._wake_fd:
-            self._watch(wake_fd)
-        budget = min(deadline - time.monotonic(), _HEALTH_CHECK_S)
+        import anyio
+
+        budget = self._before_wait(deadline, wake_fd)
         if budget <= 0:
             return
         with anyio.move_on_after(budget):
@@ -465,6 +484,24 @@ class WorkerPool:
         # Nothing woke us: only then is a health check worth its syscalls, since every
         # worker's death already wakes us through its sentinel.
         self._check_health()
+
+    def wait_blocking(self, deadline: float, wake_fd: int | None = None) -> bool:
+        """``wait`` in the calling thread: the selector itself blocks. What woke it is kept
+        for the ``poll`` that follows, which then needs no select of its own."""
+        budget = self._before_wait(deadline, wake_fd)
+        if budget > 0:
+            self._woken = self.selector.select(budget)
+            if not self._woken:
+                self._check_health()  # as in wait(): only when nothing woke us
+        return True
+
+    def _before_wait(self, deadline: float, wake_fd: int | None) -> float:
+        """Send what is queued and watch ``wake_fd``; how long the wait may last (at most
+        the health-check period)."""
+        self._flush()
+        if wake_fd != self._wake_fd:
+            self._watch(wake_fd)
+        return min(deadline - time.monotonic(), _HEALTH_CHECK_S)
 
     def _watch(self, fd: int | None) -> None:
         # The previous pass's pin stage pipe, if any, is closed by now: forget it.

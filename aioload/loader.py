@@ -356,6 +356,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         return iterator
 
     def __aiter__(self) -> AsyncIterator[Any]:
+        _lazy.warm_async()
         iterator = _AsyncIterator(self._engine(offload_inline=True))
         if self.progress:
             from . import _progress
@@ -659,7 +660,8 @@ def _check_device(device: str | torch.device | None) -> torch.device | None:
 
 
 class _SyncIterator:
-    """``for batch in loader``: each step runs the orchestrator on a private event loop."""
+    """``for batch in loader``: the orchestrator's steps, waiting in the calling thread; only a
+    wait that needs an event loop (an async dataset in this process) runs on a private one."""
 
     def __init__(self, engine: Orchestrator, len_fn: Callable[[], int]) -> None:
         self._engine = engine
@@ -674,7 +676,7 @@ class _SyncIterator:
         stats = self._engine.stats
         entered = stats.enter()
         try:
-            batch = self._engine.step()
+            batch = self._engine.next_blocking()
             if batch is PENDING:
                 batch = _sync.run(self._engine.next())
         finally:

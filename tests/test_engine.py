@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -20,7 +20,7 @@ import pytest
 from aioload import DataLoaderTimeoutError, WorkerDiedError
 from aioload._fetch import PassPlan
 from aioload._messages import Answer, Batch, Event, Failed, StreamEnded, WorkerLost
-from aioload._orchestrator import END, Orchestrator, PassSetup
+from aioload._orchestrator import END, PENDING, Orchestrator, PassSetup
 from aioload._resume import PassProgress, numbered_batches
 from aioload._worker_main import RemoteError
 
@@ -109,10 +109,17 @@ class FakeBackend:
         ]
         return events
 
-    async def wait(self, deadline: float, wake_fd: int | None = None) -> None:
+    def _wait_s(self, deadline: float) -> float:
         soonest = min((p[0] for p in self.pending), default=math.inf)
         until = min(soonest, deadline, time.monotonic() + 1.0)
-        await anyio.sleep(max(0.0, until - time.monotonic()))
+        return max(0.0, until - time.monotonic())
+
+    async def wait(self, deadline: float, wake_fd: int | None = None) -> None:
+        await anyio.sleep(self._wait_s(deadline))
+
+    def wait_blocking(self, deadline: float, wake_fd: int | None = None) -> bool:
+        time.sleep(self._wait_s(deadline))
+        return True
 
     def restart(self, worker_id: int) -> None:
         self.restarts.append(worker_id)
@@ -167,7 +174,34 @@ def _engine(
     return Orchestrator(lambda: backend, setup, owns_backend=True)
 
 
+# Which door the tests drain an engine through: ``next`` (the async front end) or
+# ``next_blocking`` (the sync front end, which waits with no event loop). Every test runs both.
+_front = "async"
+
+
+@pytest.fixture(autouse=True, params=["async", "blocking"])
+def front(request: pytest.FixtureRequest) -> Iterator[str]:
+    global _front
+    _front = request.param
+    yield request.param
+    _front = "async"
+
+
+def _next(engine: Orchestrator) -> Any:
+    """One batch through the door under test."""
+    if _front == "blocking":
+        return engine.next_blocking()
+    return anyio.run(engine.next)
+
+
 def _drain(engine: Orchestrator) -> list[Any]:
+    if _front == "blocking":
+        got = []
+        while (batch := engine.next_blocking()) is not END:
+            assert batch is not PENDING, "a fake backend can always wait without a loop"
+            got.append(batch)
+        return got
+
     async def consume() -> list[Any]:
         got = []
         while (batch := await engine.next()) is not END:
@@ -238,14 +272,10 @@ def test_timeout_names_the_worker_and_indices_and_retires_the_backend() -> None:
     backend = FakeBackend(2, delay=lambda t: HANG if t == 4 else 0.0)
     engine = _engine(backend, BATCHES, timeout=0.2)
     got: list[Any] = []
-
-    async def consume() -> None:
-        while True:
-            got.append(await engine.next())
-
     started = time.monotonic()
     with pytest.raises(DataLoaderTimeoutError) as info:
-        anyio.run(consume)
+        while True:
+            got.append(_next(engine))
     assert time.monotonic() - started >= 0.2
     assert got == BATCHES[:4]
     assert str(info.value) == (
@@ -276,19 +306,16 @@ def test_a_worker_error_reaches_the_consumer_in_place_and_the_pass_goes_on() -> 
     backend = FakeBackend(2, fail={2})
     engine = _engine(backend, BATCHES)
 
-    async def consume() -> list[Any]:
-        got: list[Any] = []
-        while True:
-            try:
-                batch = await engine.next()
-            except KeyError as exc:
-                got.append(("error", "bad sample in task 2" in str(exc)))
-                continue
-            if batch is END:
-                return got
-            got.append(batch)
-
-    got = anyio.run(consume)
+    got: list[Any] = []
+    while True:
+        try:
+            batch = _next(engine)
+        except KeyError as exc:
+            got.append(("error", "bad sample in task 2" in str(exc)))
+            continue
+        if batch is END:
+            break
+        got.append(batch)
     assert got == [*BATCHES[:2], ("error", True), *BATCHES[3:]]
     assert engine.progress.yielded.prefix == 12, "the failed batch counts as delivered"
 
@@ -309,11 +336,8 @@ def test_closing_mid_pass_closes_the_backend_once() -> None:
     backend = FakeBackend(2, delay=lambda t: 0.0)
     engine = _engine(backend, BATCHES)
 
-    async def two() -> list[Any]:
-        return [await engine.next(), await engine.next()]
-
-    assert anyio.run(two) == BATCHES[:2]
+    assert [_next(engine), _next(engine)] == BATCHES[:2]
     engine.close()
     engine.close()
     assert backend.closed
-    assert anyio.run(engine.next) is END
+    assert _next(engine) is END
