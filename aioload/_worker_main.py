@@ -514,13 +514,13 @@ class _ProcessWorker:
         fds: list[int] = []
         stream = None
         wire: SlabBatch | PickledBatch | Failure | StreamEnded
-        if isinstance(result, Produced):
-            # Sent even if the encoding fails: the stream did move past these samples.
-            stream = result.stream
-            wire = self._encode(result, fds)
-        else:
-            wire = result
         try:
+            if isinstance(result, Produced):
+                # Sent even if the encoding fails: the stream did move past these samples.
+                stream = result.stream
+                wire = self._encode(result, fds)
+            else:
+                wire = result
             # Slabs this worker retired ride along, so the parent can unmap them too.
             reply = Reply(
                 task.task_id,
@@ -534,6 +534,12 @@ class _ProcessWorker:
         finally:
             for fd in fds:
                 os.close(fd)
+            # The fetcher kept the batch's samples in case the batch could not be sent (see
+            # _encode): let them go now. After the send, so that freeing them (a few hundred
+            # tensors for a batch of scalars) does not delay the reply the parent waits for.
+            forget = getattr(self.step.fetcher, "forget", None)
+            if forget is not None:
+                forget()
 
     def _encode(self, produced: Produced, fds: list[int]) -> SlabBatch | PickledBatch | Failure:
         arena = produced.arena
@@ -560,11 +566,6 @@ class _ProcessWorker:
                 return self.step.error()
             # Each round drops at least one sample, so this ends.
             return self._encode(produced._replace(data=data, arena=None), fds)
-        finally:
-            # The fetcher kept the batch's samples for the blame above: let them go.
-            forget = getattr(self.step.fetcher, "forget", None)
-            if forget is not None:
-                forget()
         slab = encoded.slab
         capacity = 0
         if slab is not None and encoded.new_slab:
