@@ -36,8 +36,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
-
+from ._backend import wait_readable
 from ._fetch import PassPlan
 from ._messages import (
     Answer,
@@ -460,8 +459,7 @@ class RayBackend:
         budget = self._before_wait(deadline, wake_fd)
         if budget <= 0:
             return
-        with anyio.move_on_after(budget):
-            await anyio.wait_readable(self.selector.fileno())
+        await wait_readable(self.selector.fileno(), budget)
 
     def wait_blocking(self, deadline: float, wake_fd: int | None = None) -> bool:
         budget = self._before_wait(deadline, wake_fd)

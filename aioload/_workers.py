@@ -2,7 +2,7 @@
 
 Everything the orchestrator waits on goes through one selector (epoll on Linux): each worker's
 socket and each worker's process sentinel, which becomes readable when the process exits. The
-selector's own descriptor is what the event loop waits on, through ``anyio.wait_readable``, so
+selector's own descriptor is what the event loop waits on (``_backend.wait_readable``), so
 one await covers every worker under asyncio, uvloop and trio alike, and nothing runs detached:
 between two awaits of the consumer, no aioload code runs at all. The sync front end blocks on
 the same selector directly (``wait_blocking``), with no event loop.
@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ._backend import wait_readable
 from ._channel import ChannelClosed, ParentChannel
 from ._fetch import PassPlan, SamplePolicy
 from ._messages import (
@@ -473,17 +474,11 @@ class WorkerPool:
         """Wait until something may have arrived, a worker exited, ``wake_fd`` (the pin
         stage's pipe) became readable, or ``deadline`` (in ``time.monotonic()`` seconds;
         ``math.inf`` for none) passes."""
-        import anyio
-
         budget = self._before_wait(deadline, wake_fd)
-        if budget <= 0:
-            return
-        with anyio.move_on_after(budget):
-            await anyio.wait_readable(self.selector.fileno())
-            return
-        # Nothing woke us: only then is a health check worth its syscalls, since every
-        # worker's death already wakes us through its sentinel.
-        self._check_health()
+        if budget > 0 and not await wait_readable(self.selector.fileno(), budget):
+            # Nothing woke us: only then is a health check worth its syscalls, since every
+            # worker's death already wakes us through its sentinel.
+            self._check_health()
 
     def wait_blocking(self, deadline: float, wake_fd: int | None = None) -> bool:
         """``wait`` in the calling thread: the selector itself blocks. What woke it is kept
