@@ -7,7 +7,8 @@ slab pops them from that queue.
 
 The two ends are used differently:
 
-* The worker end is blocking: a worker has nothing else to do while it waits.
+* The worker end is blocking: a worker has nothing else to do while it waits. Its reads that
+  must not wait say so per call (MSG_DONTWAIT), so the socket never changes mode.
 * The parent end is non-blocking and never waits: ``pump_in`` reads whatever the kernel already
   holds, ``pump_out`` writes whatever fits. The orchestrator awaits readiness through one
   selector (see ``_workers.py``), so no read or write can stall the event loop, and a read cut
