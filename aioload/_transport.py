@@ -38,6 +38,8 @@ import numpy as np
 import torch
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
+from ._channel import CachedUnpickler
+
 __all__ = [
     "ALIGN",
     "EncodedBatch",
@@ -531,7 +533,7 @@ def dumps_by_value(batch: Any) -> bytes:
 # --------------------------------------------------------------------------------------------
 
 
-class _LeafLoader(pickle.Unpickler):
+class _LeafLoader(CachedUnpickler):
     def __init__(self, file: io.BytesIO, leaves: list[Any]) -> None:
         super().__init__(file)
         self.leaves = leaves

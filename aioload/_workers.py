@@ -350,7 +350,10 @@ class WorkerPool:
         hands a batch over right after this and refills the window with a ``submit``, which
         sends them together with the task, in one write (with two workers, the batch the
         consumer just dropped and the refill go to the same worker). Whatever no ``submit``
-        takes along goes out before any wait (``_before_wait``)."""
+        takes along goes out before any wait (``_before_wait``) or with the next pass's
+        ``start_pass``. Only a step that hands a batch over and sends nothing leaves them
+        queued until then: at the end of the sampler, or for a worker whose IterableDataset
+        stream has ended; neither worker has a task that needs the slab."""
         self._queue_frees()
         events: list[Event] = []
         if self._lost:
