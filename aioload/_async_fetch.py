@@ -24,8 +24,9 @@ Two things differ from the sync fetcher:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Awaitable, Generator
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any, TypeVar
 
 import anyio
@@ -143,6 +144,24 @@ class _OwnRng(Awaitable[T]):
                 to_send, to_throw = None, exc
 
 
+async def _fetch_into(
+    fetch_one: Callable[[Any], Awaitable[Any]],
+    samples: list[Any],
+    position: int,
+    key: Any,
+    failures: list[Exception],
+    batch: anyio.abc.TaskGroup,
+) -> None:
+    """One sample of a batch gathered in a task group (``AsyncFetcher._gather_each``)."""
+    try:
+        samples[position] = await fetch_one(key)
+    except Exception as exc:
+        # Cancellation is a BaseException and passes through. A real failure cancels the
+        # siblings: the batch is lost anyway, and their requests need not finish.
+        failures.append(exc)
+        batch.cancel_scope.cancel()
+
+
 # -- the fetcher -----------------------------------------------------------------------------
 
 
@@ -221,20 +240,32 @@ class AsyncFetcher(BaseFetcher):
             # One call for the whole batch, seeded from its first index as the sync fetcher
             # does; the dataset decides its own concurrency.
             return await self._own_rng(self.batched(indices), indices[0] if len(indices) else 0)
+        return await self._gather_each(indices, self._fetch_one)
+
+    async def _fetch_one(self, index: Any) -> Any:
+        assert self._slots is not None
+        async with self._slots:
+            return await self._own_rng(self.dataset[index], index)
+
+    async def _gather_each(
+        self, keys: Any, fetch_one: Callable[[Any], Awaitable[Any]]
+    ) -> list[Any]:
+        """``await fetch_one(key)`` for each of ``keys`` (``fetch_one`` takes a slot: at most
+        ``concurrency`` are in flight across every batch this fetcher is gathering), the
+        samples in the keys' order."""
         if self._slots is None:
             self._slots = anyio.Semaphore(self.concurrency)
-        samples: list[Any] = [None] * len(indices)
-        if self.concurrency == 1 or len(indices) == 1:
+        samples: list[Any] = [None] * len(keys)
+        if self.concurrency == 1 or len(keys) == 1:
             # Nothing to overlap within the batch: no task group. The slot still counts, as
             # a worker may be gathering several batches at once.
-            for position, index in enumerate(indices):
-                async with self._slots:
-                    samples[position] = await self._own_rng(self.dataset[index], index)
+            for position, key in enumerate(keys):
+                samples[position] = await fetch_one(key)
             return samples
         failures: list[Exception] = []
         async with anyio.create_task_group() as batch:
-            for position, index in enumerate(indices):
-                batch.start_soon(self._fetch_into, samples, position, index, failures, batch)
+            for position, key in enumerate(keys):
+                batch.start_soon(_fetch_into, fetch_one, samples, position, key, failures, batch)
         if failures:
             # The first failure, as itself (not an ExceptionGroup): the consumer sees the
             # dataset's own exception type, as with a sync dataset.
@@ -245,24 +276,6 @@ class AsyncFetcher(BaseFetcher):
             finally:
                 del failure
         return samples
-
-    async def _fetch_into(
-        self,
-        samples: list[Any],
-        position: int,
-        index: Any,
-        failures: list[Exception],
-        batch: anyio.abc.TaskGroup,
-    ) -> None:
-        assert self._slots is not None
-        try:
-            async with self._slots:
-                samples[position] = await self._own_rng(self.dataset[index], index)
-        except Exception as exc:
-            # Cancellation is a BaseException and passes through. A real failure cancels the
-            # siblings: the batch is lost anyway, and their requests need not finish.
-            failures.append(exc)
-            batch.cancel_scope.cancel()
 
     # -- map-style, under the sample-error policy ---------------------------------------------
 
@@ -277,40 +290,8 @@ class AsyncFetcher(BaseFetcher):
                 pass  # one by one, below: only the bad samples are lost
             else:
                 return gathered_batch(keys, data)
-        if self._slots is None:
-            self._slots = anyio.Semaphore(self.concurrency)
-        samples: list[Any] = [None] * len(keys)
-        if self.concurrency == 1 or len(keys) == 1:
-            for position, key in enumerate(keys):
-                samples[position] = await self._get(key)
-            return Gathered(keys, samples)
-        failures: list[Exception] = []
-        async with anyio.create_task_group() as batch:
-            for position, key in enumerate(keys):
-                batch.start_soon(self._get_into, samples, position, key, failures, batch)
-        if failures:
-            failure = failures.pop(0)
-            failures.clear()
-            try:
-                raise failure
-            finally:
-                del failure
-        return Gathered(keys, samples)
-
-    async def _get_into(
-        self,
-        samples: list[Any],
-        position: int,
-        key: Any,
-        failures: list[Exception],
-        batch: anyio.abc.TaskGroup,
-    ) -> None:
-        try:
-            samples[position] = await self._get(key)
-        except Exception as exc:
-            # The policy said "raise": the batch is lost, as without a policy.
-            failures.append(exc)
-            batch.cancel_scope.cancel()
+        # A sample the policy raises loses the batch, as without a policy.
+        return Gathered(keys, await self._gather_each(keys, self._get))
 
     async def _get(self, key: Any) -> Any:
         """One sample, retried ``policy.retries`` times with a growing pause, then raised or
@@ -340,47 +321,26 @@ class AsyncFetcher(BaseFetcher):
     async def _draw(self) -> Any:
         """The stream's next sample under the policy (``_Failed`` when skipped); as the sync
         fetcher's ``_draw``, without retries."""
-        position = self.samples_seen
         try:
             return await self._next_sample()
         except StopAsyncIteration:
             raise
         except Exception as exc:
-            if not self.policy.skips(position, exc):
+            if not self.policy.skips(self.samples_seen, exc):
                 raise
-            self.samples_seen += 1
-            return _Failed(_record(position, exc, 1))
+            return self.lost_draw(exc)
 
     async def _gather_iterable_policy(self, indices: Any) -> Gathered:
         if not self.started:
             await self.start()
         if self.ended:
             raise StreamEnd
-        keys: list[Any] = []
+        wanted = len(indices) if self.auto_collation else 1
         samples: list[Any] = []
-        if not self.auto_collation:
-            position = self.samples_seen
-            try:
+        with contextlib.suppress(StopAsyncIteration):
+            while len(samples) < wanted:
                 samples.append(await self._draw())
-            except StopAsyncIteration:
-                self.ended = True
-                raise StreamEnd from None
-            keys.append(position)
-            return Gathered(keys, samples)
-        ran_dry = False
-        for _ in indices:
-            position = self.samples_seen
-            try:
-                sample = await self._draw()
-            except StopAsyncIteration:
-                self.ended = ran_dry = True
-                break
-            keys.append(position)
-            samples.append(sample)
-        if not samples or (self.drop_last and ran_dry and len(samples) < len(indices)):
-            self.ended = True
-            raise StreamEnd
-        return Gathered(keys, samples)
+        return self.drawn_batch(samples, wanted, StreamEnd)
 
     async def start(self) -> None:
         """Open the stream: load the checkpointed state, or fast-forward past what was yielded

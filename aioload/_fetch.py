@@ -26,6 +26,7 @@ batch is delivered, which is what makes the cap and resume exact.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import pickle
 import random
@@ -326,6 +327,31 @@ class BaseFetcher:
         assert self.plan.sample_seed is not None
         return sample_seed(self.plan.sample_seed, self.plan.epoch, key)
 
+    # -- an IterableDataset's stream under the sample-error policy ------------------------------
+
+    def lost_draw(self, error: Exception) -> _Failed:
+        """The stream's next element failed with ``error`` and the policy skips it. It was
+        drawn, and lost: the stream has moved past it (a generator that raised is finished,
+        and its next draw ends the stream), so it counts as seen, and its record (named by
+        its position) takes its place in the batch."""
+        position = self.samples_seen
+        self.samples_seen += 1
+        return _Failed(_record(position, error, 1))
+
+    def drawn_batch(self, samples: list[Any], wanted: int, end: type[Exception]) -> Gathered:
+        """The batch of the ``samples`` just drawn (``wanted`` were asked for; a ``_Failed``
+        where one was skipped), each named by its stream position. Fewer than wanted: the
+        stream ran dry, and is done. Raises ``end`` when there is nothing to yield: no sample
+        at all, or too few under ``drop_last``."""
+        ran_dry = len(samples) < wanted
+        if ran_dry or not samples:
+            self.ended = True
+        if not samples or (ran_dry and self.drop_last):
+            raise end
+        # Each sample drawn, kept or skipped, moved the stream on by one.
+        first = self.samples_seen - len(samples)
+        return Gathered(list(range(first, self.samples_seen)), samples)
+
     # -- bad samples: collate what survived, blame a failed collate or send on its samples ---
 
     def _collate_list(self, samples: list[Any]) -> Any:
@@ -605,45 +631,23 @@ class Fetcher(BaseFetcher):
     def _draw(self) -> Any:
         """The stream's next sample under the policy: a ``_Failed`` when it is skipped. There
         are no retries here: an iterator cannot be asked for the same element again."""
-        position = self.samples_seen
         try:
             return self._next_sample()
         except StopIteration:
             raise
         except Exception as exc:
-            if not self.policy.skips(position, exc):
+            # (The failed draw did not count: samples_seen is still its position.)
+            if not self.policy.skips(self.samples_seen, exc):
                 raise
-            # Drawn, and lost: the stream has moved past it (a generator that raised is
-            # finished, and its next draw ends the stream).
-            self.samples_seen += 1
-            return _Failed(_record(position, exc, 1))
+            return self.lost_draw(exc)
 
     def _fetch_iterable_policy(self, indices: Any) -> Any:
-        keys: list[Any] = []
+        wanted = len(indices) if self.auto_collation else 1
         samples: list[Any] = []
-        if self.auto_collation:
-            ran_dry = False
-            for _ in indices:
-                position = self.samples_seen
-                try:
-                    sample = self._draw()
-                except StopIteration:
-                    self.ended = ran_dry = True
-                    break
-                keys.append(position)
-                samples.append(sample)
-            if not samples or (self.drop_last and ran_dry and len(samples) < len(indices)):
-                self.ended = True
-                raise StopIteration
-        else:
-            position = self.samples_seen
-            try:
+        with contextlib.suppress(StopIteration):
+            while len(samples) < wanted:
                 samples.append(self._draw())
-            except StopIteration:
-                self.ended = True
-                raise
-            keys.append(position)
-        return self.collate_gathered(Gathered(keys, samples))
+        return self.collate_gathered(self.drawn_batch(samples, wanted, StopIteration))
 
     def _fetch_iterable(self, indices: Any) -> Any:
         if self.ended:

@@ -36,8 +36,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
-
+from ._backend import wait_readable
 from ._fetch import PassPlan
 from ._messages import (
     Answer,
@@ -52,7 +51,7 @@ from ._messages import (
     ValueBatch,
     WorkerLost,
 )
-from ._worker_main import WorkerConfig, WorkerStep
+from ._worker_main import StepResult, WorkerConfig, WorkerStep
 from ._workers import WorkerSpec
 from .errors import WorkerDiedError
 
@@ -92,15 +91,7 @@ class _ActorImpl:
 
     def run(self, task: Task) -> Reply:
         started = time.perf_counter()
-        result = self.step.run(task)
-        stream = None
-        wire: Any
-        if isinstance(result, Failure | StreamEnded):
-            wire = result
-        else:
-            stream = result.stream
-            wire = ValueBatch(to_wire(result.data))
-        return Reply(task.task_id, task.generation, wire, stream, time.perf_counter() - started, [])
+        return _reply(task, self.step.run(task), started)
 
 
 class _AsyncActorImpl(_ActorImpl):
@@ -156,14 +147,21 @@ class _AsyncActorImpl(_ActorImpl):
                 result = await self.step.run_async(task)
         else:
             result = await self.step.run_async(task, self.step.fetcher)
-        stream = None
-        wire: Any
-        if isinstance(result, Failure | StreamEnded):
-            wire = result
-        else:
-            stream = result.stream
-            wire = ValueBatch(to_wire(result.data))
-        return Reply(task.task_id, task.generation, wire, stream, time.perf_counter() - started, [])
+        return _reply(task, result, started)
+
+
+def _reply(task: Task, result: StepResult, started: float) -> Reply:
+    """An actor's answer to ``task``: ``result`` is what the WorkerStep returned for it (a
+    batch, a Failure or StreamEnded), with the batch's tensors put on the wire (``to_wire``);
+    busy since ``started`` (``time.perf_counter()``)."""
+    stream = None
+    wire: Any
+    if isinstance(result, Failure | StreamEnded):
+        wire = result
+    else:
+        stream = result.stream
+        wire = ValueBatch(to_wire(result.data))
+    return Reply(task.task_id, task.generation, wire, stream, time.perf_counter() - started, [])
 
 
 class _TensorBytes:
@@ -331,22 +329,8 @@ class RayBackend:
     # -- actors ------------------------------------------------------------------------------
 
     def _start_actor(self, worker_id: int) -> _Slot:
-        spec = self.spec
-        config = WorkerConfig(
-            worker_id=worker_id,
-            num_workers=self.num_workers,
-            base_seed=self.base_seed,
-            generation=self.generation,
-            dataset_kind=spec.dataset_kind,
-            auto_collation=spec.auto_collation,
-            drop_last=spec.drop_last,
-            payload=b"",
-            slab_collate=False,
-            max_idle_slabs=0,
-            rank=spec.rank,
-            world_size=spec.world_size,
-            worker_concurrency=spec.worker_concurrency,
-            sample_policy=spec.sample_policy,
+        config = self.spec.worker_config(
+            worker_id, self.base_seed, self.generation, payload=b"", shared_memory=False
         )
         actor: Any = self._actor_class.options(name=None).remote(config, self._payload)
         self._incarnations += 1
@@ -460,8 +444,7 @@ class RayBackend:
         budget = self._before_wait(deadline, wake_fd)
         if budget <= 0:
             return
-        with anyio.move_on_after(budget):
-            await anyio.wait_readable(self.selector.fileno())
+        await wait_readable(self.selector.fileno(), budget)
 
     def wait_blocking(self, deadline: float, wake_fd: int | None = None) -> bool:
         budget = self._before_wait(deadline, wake_fd)

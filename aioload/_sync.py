@@ -1,12 +1,10 @@
-"""The sync front end's event loop.
+"""The sync front end's event loop, for the one wait that needs a loop.
 
-``for batch in loader`` drives the same orchestrator as ``async for``, on a private event loop
-(uvloop, which aioload depends on). One loop per thread is made once and reused, so no step pays for
-setting a loop up.
-
-Most steps never enter the loop at all: the front end first calls ``Orchestrator.step()``,
-which returns a batch that has already arrived without waiting. Only a step that must wait runs
-here, as one task on the loop.
+``for batch in loader`` drives the same orchestrator as ``async for``, and it waits without an
+event loop: ``Orchestrator.next_blocking()`` blocks the calling thread in the backend's own
+``select``. Only a backend whose waiting needs a loop (an async dataset run in the calling
+process, ``num_workers=0``) steps here, on a private event loop (uvloop, imported on that first
+use). One loop per thread is made once and reused, so no step pays for setting a loop up.
 
 A thread that already runs an event loop (a Jupyter cell, or sync iteration inside a coroutine)
 cannot run a second one. There the steps go to one helper thread with its own loop, and the
@@ -36,9 +34,8 @@ _helper: _LoopThread | None = None
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
-    # uvloop is imported on the first step that waits, not with the package: `import aioload`
-    # stays cheap (docs/benchmarks.md, start-up), and with workers that first wait comes right
-    # after they are forked, so the import overlaps their start on another core.
+    # uvloop is imported on the first step that needs a loop, not with the package: `import
+    # aioload` stays cheap (docs/benchmarks.md, start-up), and most loaders never need it.
     import uvloop
 
     factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop

@@ -38,6 +38,8 @@ import numpy as np
 import torch
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
+from ._channel import CachedUnpickler
+
 __all__ = [
     "ALIGN",
     "EncodedBatch",
@@ -272,14 +274,8 @@ def _collate_tensor_into_slab(
         arena is not None
         and nbytes >= _ARENA_MIN_BYTES
         and elem.dtype in _TORCH_DTYPES
-        and elem.device.type == "cpu"
-        and all(
-            type(t) is torch.Tensor
-            and t.dtype == elem.dtype
-            and t.device == elem.device
-            and not t.requires_grad
-            for t in batch
-        )
+        and elem.is_cpu
+        and _stackable_alike(batch, elem.dtype)
     ):
         shape = (len(batch), *elem.shape)
         offset = arena.alloc(nbytes)
@@ -287,6 +283,20 @@ def _collate_tensor_into_slab(
             out = arena.view(offset, nbytes, elem.dtype).view(shape)
             return torch.stack(batch, 0, out=out)
     return torch.stack(batch, 0)
+
+
+def _stackable_alike(batch: list[torch.Tensor], dtype: torch.dtype) -> bool:
+    """Whether every sample is a plain CPU tensor of ``dtype`` without grad, so that stacking
+    into a buffer of that dtype gives what ``torch.stack`` would (it would promote mixed
+    dtypes, and refuses ``out=`` for tensors that require grad)."""
+    # A loop with early exits, identity tests (dtypes are singletons) and ``is_cpu`` rather
+    # than comparing ``device`` objects (each access makes one): a third of the cost, which
+    # is paid for every sample of every batch.
+    plain = torch.Tensor
+    for t in batch:
+        if type(t) is not plain or t.dtype is not dtype or t.requires_grad or not t.is_cpu:
+            return False
+    return True
 
 
 _SLAB_COLLATE_MAP: dict[Any, Callable[..., Any]] = {
@@ -300,6 +310,18 @@ def slab_collate(batch: Any) -> Any:
     return collate(batch, collate_fn_map=_SLAB_COLLATE_MAP)
 
 
+def _slab_tensor(obj: torch.Tensor) -> bool:
+    """Whether a plain tensor travels in the slab (else it is pickled with the batch)."""
+    return bool(
+        obj.device.type == "cpu"
+        and obj.layout == torch.strided
+        and obj.dtype in _TORCH_DTYPES
+        and not obj.requires_grad
+        and not obj.is_quantized
+        and not obj.is_nested
+    )
+
+
 class _LeafCollector(pickle.Pickler):
     """Pickles a batch with its array leaves taken out (they go into the slab)."""
 
@@ -311,14 +333,7 @@ class _LeafCollector(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         kind = type(obj)
         if kind is torch.Tensor:
-            if not (
-                obj.device.type == "cpu"
-                and obj.layout == torch.strided
-                and obj.dtype in _TORCH_DTYPES
-                and not obj.requires_grad
-                and not obj.is_quantized
-                and not obj.is_nested
-            ):
+            if not _slab_tensor(obj):
                 return None
         elif kind is np.ndarray:
             if obj.dtype.hasobject:
@@ -331,6 +346,28 @@ class _LeafCollector(pickle.Pickler):
             index = self._seen[key] = len(self.leaves)
             self.leaves.append(obj)
         return index
+
+
+def _collect_leaves(batch: Any) -> tuple[bytes, list[torch.Tensor | np.ndarray[Any, Any]]]:
+    """The batch pickled with its array leaves taken out, and those leaves."""
+    if type(batch) is torch.Tensor and _slab_tensor(batch):
+        # A lone tensor (what default_collate makes of tensor samples): its pickle is always
+        # the same few bytes, so no pickler is made for it.
+        return _LONE_LEAF_PAYLOAD, [batch]
+    buf = io.BytesIO()
+    pickler = _LeafCollector(buf)
+    pickler.dump(batch)
+    return buf.getvalue(), pickler.leaves
+
+
+def _lone_leaf_payload() -> bytes:
+    buf = io.BytesIO()
+    _LeafCollector(buf).dump(torch.empty(0))
+    return buf.getvalue()
+
+
+# What _LeafCollector makes of any batch that is one slab tensor: a reference to leaf 0.
+_LONE_LEAF_PAYLOAD = _lone_leaf_payload()
 
 
 def _dense_strides(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
@@ -365,16 +402,13 @@ def encode_batch(batch: Any, pool: WorkerSlabPool, arena: _Arena | None) -> Enco
     copied once. If the arena's slab is too small, every leaf moves to a bigger slab and the
     pool remembers the size for the next batch, so the steady state copies each sample once.
     """
-    buf = io.BytesIO()
-    pickler = _LeafCollector(buf)
-    pickler.dump(batch)
     encoded = EncodedBatch()
-    encoded.payload = buf.getvalue()
+    encoded.payload, leaves = _collect_leaves(batch)
 
     prepared: list[tuple[Any, int, bool, tuple[int, ...] | None]] = []
     extra = 0
     total = 0
-    for leaf in pickler.leaves:
+    for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             if leaf.is_conj() or leaf.is_neg():
                 leaf = leaf.resolve_conj().resolve_neg()
@@ -451,6 +485,11 @@ def _copy_into(
 ) -> None:
     if nbytes == 0:
         return
+    if strides is None and isinstance(leaf, torch.Tensor):
+        # A contiguous tensor (encode_batch made it one): one memmove, where views of the slab
+        # and copy_ would make three tensors first. Bytes are bytes: the dtype is the same.
+        ctypes.memmove(arena.slab.ptr + offset, leaf.data_ptr(), nbytes)
+        return
     raw = arena.slab.tensor[offset : offset + nbytes]
     if isinstance(leaf, torch.Tensor):
         dst = raw.view(leaf.dtype)
@@ -500,7 +539,7 @@ def dumps_by_value(batch: Any) -> bytes:
 # --------------------------------------------------------------------------------------------
 
 
-class _LeafLoader(pickle.Unpickler):
+class _LeafLoader(CachedUnpickler):
     def __init__(self, file: io.BytesIO, leaves: list[Any]) -> None:
         super().__init__(file)
         self.leaves = leaves

@@ -512,6 +512,8 @@ class _ProcessWorker:
         # starts (persistent workers after a break), so stale fetches free their slots.
         self.gathering: dict[int, set[anyio.CancelScope]] = {}
         self.parent_gone = False
+        # The socket was read while the current message was being waited for (see _current).
+        self.drained = False
         self.parent_pid = os.getppid()
         self.poller = select.poll()
         self.poller.register(channel.sock.fileno(), select.POLLIN)
@@ -519,13 +521,19 @@ class _ProcessWorker:
     # -- reading -------------------------------------------------------------------------------
 
     def _next_message(self) -> Reset | Task:
+        self.drained = False
         while not self.pending:
             while not self.channel.has_frame():
-                if not self.poller.poll(int(_PARENT_CHECK_S * 1000)):
-                    if os.getppid() != self.parent_pid:
-                        raise ChannelClosed
+                # Read first and poll only when nothing is there: while the parent keeps this
+                # worker busy, the next task is usually waiting already, and one read then
+                # replaces a poll plus a read.
+                if self.channel.fill(wait=False):
+                    self.drained = True
                     continue
-                self.channel.fill(wait=False)
+                # Nothing there: wait for it, checking on the parent once a second.
+                ready = self.poller.poll(int(_PARENT_CHECK_S * 1000))
+                if not ready and os.getppid() != self.parent_pid:
+                    raise ChannelClosed
             self._absorb(self.channel.pop())
         return self.pending.popleft()
 
@@ -566,7 +574,12 @@ class _ProcessWorker:
 
     def _current(self, task: Task) -> bool:
         """Take in what has arrived; False for a task of a pass the parent has already left."""
-        self._drain()
+        if self.drained:
+            # ``_next_message`` has just read the socket for this task, so what the parent
+            # sent before it is already in: another read would find nothing.
+            self.drained = False
+        else:
+            self._drain()
         return task.generation >= self.step.generation
 
     # -- answering -----------------------------------------------------------------------------
@@ -576,13 +589,13 @@ class _ProcessWorker:
         fds: list[int] = []
         stream = None
         wire: SlabBatch | PickledBatch | Failure | StreamEnded
-        if isinstance(result, Produced):
-            # Sent even if the encoding fails: the stream did move past these samples.
-            stream = result.stream
-            wire = self._encode(result, fds)
-        else:
-            wire = result
         try:
+            if isinstance(result, Produced):
+                # Sent even if the encoding fails: the stream did move past these samples.
+                stream = result.stream
+                wire = self._encode(result, fds)
+            else:
+                wire = result
             # Slabs this worker retired ride along, so the parent can unmap them too.
             reply = Reply(
                 task.task_id,
@@ -596,6 +609,12 @@ class _ProcessWorker:
         finally:
             for fd in fds:
                 os.close(fd)
+            # The fetcher kept the batch's samples in case the batch could not be sent (see
+            # _encode): let them go now. After the send, so that freeing them (a few hundred
+            # tensors for a batch of scalars) does not delay the reply the parent waits for.
+            forget = getattr(self.step.fetcher, "forget", None)
+            if forget is not None:
+                forget()
 
     def _encode(self, produced: Produced, fds: list[int]) -> SlabBatch | PickledBatch | Failure:
         arena = produced.arena
@@ -622,11 +641,6 @@ class _ProcessWorker:
                 return self.step.error()
             # Each round drops at least one sample, so this ends.
             return self._encode(produced._replace(data=data, arena=None), fds)
-        finally:
-            # The fetcher kept the batch's samples for the blame above: let them go.
-            forget = getattr(self.step.fetcher, "forget", None)
-            if forget is not None:
-                forget()
         slab = encoded.slab
         capacity = 0
         if slab is not None and encoded.new_slab:

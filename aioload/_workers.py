@@ -2,7 +2,7 @@
 
 Everything the orchestrator waits on goes through one selector (epoll on Linux): each worker's
 socket and each worker's process sentinel, which becomes readable when the process exits. The
-selector's own descriptor is what the event loop waits on, through ``anyio.wait_readable``, so
+selector's own descriptor is what the event loop waits on (``_backend.wait_readable``), so
 one await covers every worker under asyncio, uvloop and trio alike, and nothing runs detached:
 between two awaits of the consumer, no aioload code runs at all. The sync front end blocks on
 the same selector directly (``wait_blocking``), with no event loop.
@@ -23,8 +23,9 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ._backend import wait_readable
 from ._channel import ChannelClosed, ParentChannel
 from ._fetch import PassPlan, SamplePolicy
 from ._messages import (
@@ -45,6 +46,9 @@ from ._messages import (
 )
 from ._transport import SlabMappings
 from .errors import WorkerDiedError
+
+if TYPE_CHECKING:
+    from ._worker_main import WorkerConfig
 
 __all__ = ["WorkerPool", "WorkerSpec"]
 
@@ -101,6 +105,41 @@ class WorkerSpec:
     world_size: int = 1
     worker_concurrency: int = 1
     sample_policy: SamplePolicy | None = None
+
+    def worker_config(
+        self,
+        worker_id: int,
+        base_seed: int,
+        generation: int,
+        *,
+        payload: tuple[Any, Any, Any] | bytes,
+        shared_memory: bool,
+    ) -> WorkerConfig:
+        """What worker ``worker_id`` starts with, whichever backend runs it. ``payload``: how
+        ``(dataset, collate_fn, worker_init_fn)`` reach it (``_payload``; a Ray actor gets
+        them from the object store instead). ``shared_memory``: whether it answers through
+        shared-memory slabs (a local process), or returns its batches as values (a Ray actor:
+        no slab collate, no idle slabs kept)."""
+        # Imported here, as in WorkerPool._spawn: the worker-side code is not loaded with the
+        # package.
+        from ._worker_main import WorkerConfig
+
+        return WorkerConfig(
+            worker_id=worker_id,
+            num_workers=self.num_workers,
+            base_seed=base_seed,
+            generation=generation,
+            dataset_kind=self.dataset_kind,
+            auto_collation=self.auto_collation,
+            drop_last=self.drop_last,
+            payload=payload,
+            slab_collate=self.slab_collate and shared_memory,
+            max_idle_slabs=self.prefetch_factor + 1 if shared_memory else 0,
+            rank=self.rank,
+            world_size=self.world_size,
+            worker_concurrency=self.worker_concurrency,
+            sample_policy=self.sample_policy,
+        )
 
 
 def _payload(objects: tuple[Any, Any, Any], forking: bool) -> tuple[Any, Any, Any] | bytes:
@@ -216,29 +255,15 @@ class WorkerPool:
     def _spawn(self, worker_id: int) -> _WorkerHandle:
         # The worker-side code is imported on the first spawn, not with the package: the
         # parent never runs it, a fork only needs it in memory, and `import aioload` stays cheap.
-        from ._worker_main import WorkerConfig, worker_main
+        from ._worker_main import worker_main
 
-        spec = self.spec
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         channel = ParentChannel(parent_sock)
         # Registered before the fork, so that the new worker closes its inherited copy of our
         # end too (see _disown_after_fork): holding it, it would never see EOF from us.
         _parent_fds.add(channel)
-        config = WorkerConfig(
-            worker_id=worker_id,
-            num_workers=self.num_workers,
-            base_seed=self.base_seed,
-            generation=self.generation,
-            dataset_kind=spec.dataset_kind,
-            auto_collation=spec.auto_collation,
-            drop_last=spec.drop_last,
-            payload=self._payload,
-            slab_collate=spec.slab_collate,
-            max_idle_slabs=spec.prefetch_factor + 1,
-            rank=spec.rank,
-            world_size=spec.world_size,
-            worker_concurrency=spec.worker_concurrency,
-            sample_policy=spec.sample_policy,
+        config = self.spec.worker_config(
+            worker_id, self.base_seed, self.generation, payload=self._payload, shared_memory=True
         )
         process = self._ctx.Process(
             target=worker_main,
@@ -349,7 +374,10 @@ class WorkerPool:
         hands a batch over right after this and refills the window with a ``submit``, which
         sends them together with the task, in one write (with two workers, the batch the
         consumer just dropped and the refill go to the same worker). Whatever no ``submit``
-        takes along goes out before any wait (``_before_wait``)."""
+        takes along goes out before any wait (``_before_wait``) or with the next pass's
+        ``start_pass``. Only a step that hands a batch over and sends nothing leaves them
+        queued until then: at the end of the sampler, or for a worker whose IterableDataset
+        stream has ended; neither worker has a task that needs the slab."""
         self._queue_frees()
         events: list[Event] = []
         if self._lost:
@@ -473,17 +501,11 @@ class WorkerPool:
         """Wait until something may have arrived, a worker exited, ``wake_fd`` (the pin
         stage's pipe) became readable, or ``deadline`` (in ``time.monotonic()`` seconds;
         ``math.inf`` for none) passes."""
-        import anyio
-
         budget = self._before_wait(deadline, wake_fd)
-        if budget <= 0:
-            return
-        with anyio.move_on_after(budget):
-            await anyio.wait_readable(self.selector.fileno())
-            return
-        # Nothing woke us: only then is a health check worth its syscalls, since every
-        # worker's death already wakes us through its sentinel.
-        self._check_health()
+        if budget > 0 and not await wait_readable(self.selector.fileno(), budget):
+            # Nothing woke us: only then is a health check worth its syscalls, since every
+            # worker's death already wakes us through its sentinel.
+            self._check_health()
 
     def wait_blocking(self, deadline: float, wake_fd: int | None = None) -> bool:
         """``wait`` in the calling thread: the selector itself blocks. What woke it is kept

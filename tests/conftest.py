@@ -13,17 +13,11 @@ import psutil
 import pytest
 
 from aioload import _sync
+from tests.leaks import ProcessTree, shm_entries, shm_leaks
 
 
 def _children() -> list[psutil.Process]:
     return [p for p in psutil.Process().children(recursive=True) if p.is_running()]
-
-
-def _shm_entries() -> set[str]:
-    try:
-        return set(os.listdir("/dev/shm"))
-    except FileNotFoundError:
-        return set()
 
 
 def _fds() -> int:
@@ -49,11 +43,15 @@ def _warm_private_loop() -> None:
 
 @pytest.fixture
 def no_leaks() -> Iterator[None]:
-    """Fails the test if it leaves worker processes, descriptors or /dev/shm entries behind."""
+    """Fails the test if it leaves worker processes, descriptors or /dev/shm entries behind.
+    Only the /dev/shm entries this process and its descendants made count: the directory is
+    the whole machine's, and other programs (another test run) come and go in it meanwhile
+    (see tests/leaks.py)."""
     gc.collect()
-    shm_before = _shm_entries()
+    shm_before = shm_entries()
     fds_before = _fds()
-    yield
+    with ProcessTree() as tree:
+        yield
     # Cyclic garbage with finalizers can take more than one pass: an exception that ended an
     # ``async for`` sits in a cycle with its task, its traceback's frames and the iterator, and
     # the iterator's finalizer (which stops the workers) runs on one pass, the freeing on the
@@ -66,7 +64,8 @@ def no_leaks() -> Iterator[None]:
         deadline -= 1
     leftover = _children()
     assert not leftover, f"worker processes left behind: {[p.pid for p in leftover]}"
-    assert _shm_entries() - shm_before == set(), "new /dev/shm entries left behind"
+    leaked = shm_leaks(shm_before, tree.pids)
+    assert not leaked, f"new /dev/shm entries left behind: {leaked}"
     # A few descriptors may be opened lazily by libraries (e.g. anyio's thread pool, uvloop);
     # a leak of worker sockets or slabs would show as many more.
     assert _fds() - fds_before <= 4, f"descriptor growth: {fds_before} -> {_fds()}"

@@ -28,6 +28,7 @@ from torch.utils.data import (
 )
 
 import aioload
+import aioload._pinning  # named at import time below (the package imports it lazily)
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 

@@ -13,6 +13,7 @@ import contextlib
 import errno
 import functools
 import gc
+import io
 import math
 import os
 import pickle
@@ -956,6 +957,110 @@ def test_numpy_leaf_with_strides_not_multiple_of_itemsize(
     batch = [field, -np.arange(100, dtype=np.int32)]
     _, got = Transfer(pool).send(batch)
     assert_same(got, batch)
+
+
+def _lone_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    return {
+        "contiguous": base.clone(),
+        "transposed": base.t(),  # dense, not contiguous: its strides travel
+        "gaps": base[:, ::2],  # not dense: made contiguous
+        "offset": base.reshape(-1)[3:],  # a view with a storage offset
+        "empty": torch.empty(0, 4, dtype=torch.int16),
+        "scalar": torch.tensor(5, dtype=torch.uint8),
+        "conj": torch.randn(4, generator=g, dtype=torch.complex64).conj(),
+        "neg": torch._neg_view(torch.randn(4, generator=g)),
+        # Not slab leaves: pickled with the batch, as before.
+        "grad": torch.randn(3, generator=g).requires_grad_(),
+        "parameter": torch.nn.Parameter(torch.randn(2, generator=g), requires_grad=False),
+        "sparse": torch.eye(3).to_sparse(),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_lone_tensors()))
+def test_a_lone_tensor_batch_round_trips(
+    no_leaks: None, pool: _transport.WorkerSlabPool, kind: str
+) -> None:
+    # A batch that is one tensor skips the pickler (its payload is always the same); it must
+    # arrive exactly as any other batch does, layout included, with or without an arena.
+    want = _lone_tensors()[kind]
+    transfer = Transfer(pool)
+    _, got = transfer.send(want)
+    assert_same(got, want)
+    pool.expected = 1 << 16
+    arena = pool.arena()
+    _, got_via_arena = transfer.send(want, arena)
+    assert_same(got_via_arena, want)
+    for received in (got, got_via_arena):
+        if kind == "transposed":
+            assert received.stride() == want.stride()
+        elif want.layout == torch.strided:
+            assert received.is_contiguous()
+
+
+def test_a_lone_tensor_stacked_into_the_arena_stays_there(
+    no_leaks: None, pool: _transport.WorkerSlabPool
+) -> None:
+    per_sample = ARENA_MIN // 4 + 1
+    samples = [torch.full((per_sample,), float(i)) for i in range(3)]
+    pool.expected = 3 * per_sample * 4 + _transport.ALIGN
+    transfer = Transfer(pool)
+    collated, arena = transfer.collate_in_arena(samples)
+    assert arena.holds(collated)
+    enc, got = transfer.send(collated, arena)
+    assert enc.slab is arena.slab and enc.leaves[0][1] == collated.data_ptr() - arena.slab.ptr
+    assert_same(got, default_collate(samples))
+
+
+def test_the_lone_tensor_payload_is_what_the_pickler_makes() -> None:
+    for t in (torch.zeros(3), torch.ones(2, 2, dtype=torch.int64)):
+        buf = io.BytesIO()
+        _transport._LeafCollector(buf).dump(t)
+        assert _transport._collect_leaves(t) == (buf.getvalue(), [t])
+
+
+@pytest.mark.parametrize("odd", ["dtype", "grad", "subclass"])
+def test_slab_collate_of_unlike_samples_matches_default_collate(
+    no_leaks: None, pool: _transport.WorkerSlabPool, odd: str
+) -> None:
+    # An arena-sized batch with one sample unlike the first is not stacked into the slab:
+    # torch.stack promotes mixed dtypes, keeps grad, keeps a subclass; the slab would not.
+    per_sample = ARENA_MIN // 4 + 1
+    samples = [torch.full((per_sample,), float(i)) for i in range(4)]
+    if odd == "dtype":
+        samples[2] = samples[2].double()
+    elif odd == "grad":
+        samples[2] = samples[2].requires_grad_()
+    else:
+        samples[2] = torch.nn.Parameter(samples[2], requires_grad=False)
+    pool.expected = 4 * per_sample * 8 + _transport.ALIGN
+    transfer = Transfer(pool)
+    collated, arena = transfer.collate_in_arena(samples)
+    want = default_collate(samples)
+    assert not arena.holds(collated)
+    assert collated.dtype == want.dtype and collated.requires_grad == want.requires_grad
+    assert torch.equal(collated.detach(), want.detach())
+
+
+def test_worker_channel_reads_without_waiting_and_stays_blocking() -> None:
+    import socket
+
+    from aioload._channel import ChannelClosed, WorkerChannel, encode_frame
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        channel = WorkerChannel(ours)
+        assert channel.fill(wait=False) == 0  # nothing there: no wait, no error
+        assert ours.getblocking(), "a read that must not wait leaves the socket blocking"
+        frame = encode_frame(Task(1, 0, [1, 2]))
+        theirs.sendall(frame)
+        assert channel.fill(wait=False) == len(frame)
+        assert channel.has_frame() and channel.pop() == Task(1, 0, [1, 2])
+        assert ours.getblocking()
+        theirs.close()
+        with pytest.raises(ChannelClosed):
+            channel.fill(wait=False)
 
 
 class _FakeChannel:

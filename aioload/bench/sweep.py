@@ -110,17 +110,26 @@ def render_block(results: list[dict[str, Any]], meta: dict[str, Any], png_name: 
         f"![items/s and % of floor along each axis]({png_name})",
         "",
         "Reading it. Where batches are small (batch size 1-8, or small samples), the fixed "
-        "cost per batch dominates and aioload, like torch, sits far below a floor that sends "
-        "nothing anywhere. The profile of that regime (py-spy on the `tiny` workload, "
-        "[Where the parent's time goes](architecture.md#where-the-parents-time-goes)) puts the "
-        "hot frames in the sync front end's wait for the next answer: `_sync.run` -> "
-        "`run_until_complete` -> `WorkerPool.wait` -> anyio's `move_on_after` / "
-        "`wait_readable` and its reader callback, one event-loop step per batch that is not "
-        "in yet, ahead of `SlabMappings.decode`, `ParentChannel.pump_in` / `_split` and the "
-        "dispatch's `pump_out`. With more workers than cores, every process also waits for a "
-        "core, and the parent, which must run once per batch, is one of them. The large-sample "
-        "end (1-8 MB) was not profiled in this session: there the floor itself is bounded by "
-        "memory bandwidth (two copies per sample), and the gap to it is not yet explained.",
+        "cost per batch dominates, and aioload, like torch, sits far below a floor that sends "
+        "nothing anywhere: every batch is a round trip (a task written to the worker's socket, "
+        "a reply read back, a slab lease decoded). The profiles (py-spy on the `tiny` "
+        "workload and at batch size 1; `python -m aioload.bench.parent_profile`, see "
+        "[Where the parent's time goes](architecture.md#where-the-parents-time-goes)) put the "
+        "hot frames in `ParentChannel.pump_out` (the `send` that wakes a sleeping worker), "
+        "`SlabMappings.decode` and `ParentChannel._split` in the parent, and in the worker's "
+        "wait for its next task (`_ProcessWorker._next_message`). What was ours to fix there "
+        "is fixed: the sync front end's event-loop step per wait (it cost more than the rest "
+        "of the parent's work together), a socket-mode switch and an extra poll around every "
+        "worker read, a pickler per reply, and a failing `recvmsg` per parent read. What "
+        "remains is mostly the price of each wake-up: the parent sleeps until the next answer "
+        "and runs its few dozen Python calls with cold caches, on cores it shares with the "
+        "workers. With more workers than cores, every process also waits for a core, and the "
+        "parent, which must run once per batch, is one of them. At the large-sample end "
+        "(1-8 MB) the floor is bound by memory bandwidth; aioload's workers stack into slabs "
+        "that rotate (one the consumer holds, one ready, one being written), which are "
+        "cache-cold when reused, where the floor refills one warm buffer: stacking 64 images "
+        "took 733 us into 4 rotating slabs against 378 us into one buffer, measured in "
+        "isolation.",
         "",
         report.SWEEP_END,
     ]
