@@ -565,7 +565,16 @@ class WorkerPool:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            multiprocessing.connection.wait([w.process.sentinel for w in pending], timeout=left)
+            ready = multiprocessing.connection.wait(
+                [w.process.sentinel for w in pending], timeout=left
+            )
+            # A ready sentinel means the process is exiting, but it closes a moment before the
+            # process can be reaped, and ``exitcode`` reads None until then: waiting on the
+            # sentinel again would return at once, a busy loop (hundreds of turns, milliseconds
+            # of CPU per pool). join() on a ready sentinel waits for the exit status instead.
+            for worker in pending:
+                if worker.process.sentinel in ready:
+                    worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
             pending = [w for w in pending if w.process.exitcode is None]
         # 3. Whoever is still there is stuck in user code: kill it. SIGKILL cannot be caught, so
         #    the join below is bounded.
