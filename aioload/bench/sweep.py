@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -78,6 +79,10 @@ def run_point(point: dict[str, Any], loader: str, min_seconds: float, timeout: f
     return float(outcome.result["items_per_s"])
 
 
+def _load_average() -> str:
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def render_block(results: list[dict[str, Any]], meta: dict[str, Any], png_name: str) -> str:
     lines = [
         report.SWEEP_BEGIN,
@@ -85,8 +90,9 @@ def render_block(results: list[dict[str, Any]], meta: dict[str, Any], png_name: 
         "",
         f"`{meta['command']}` on {meta['date_utc']} (git {meta['git_rev']}), "
         f"{meta['cores']} cores; medians of {meta['repeats']} alternating run(s) of "
-        f"{meta['min_seconds']:g} s steady state each. The machine was shared with other "
-        "work while this ran, so single points are noisy; read the trends.",
+        f"{meta['min_seconds']:g} s steady state each; load average (1, 5, 15 min) when "
+        f"it ended: {_load_average()}, the sweep's own processes included. Single points are "
+        "noisy; read the trends.",
         "",
         "| axis | value | batch | workers | floor items/s | torch items/s (% floor) "
         "| aioload items/s (% floor) | aioload / torch |",
