@@ -27,7 +27,7 @@ from tests.helpers import flat
 
 pytestmark = [pytest.mark.usefixtures("no_leaks"), pytest.mark.timeout(180)]
 
-N = 50  # not a multiple of 2 or 3 ranks: padding shows
+N = 51  # not a multiple of the 2 ranks: DistributedSampler pads, and the padding shows
 BATCH = 4
 
 
@@ -89,7 +89,9 @@ def _rank_main(rank: int, world_size: int, store: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+# Two ranks only: a third took 42 s of the suite (three spawned ranks of two workers each on
+# two cores) and covers no path two ranks do not, now that N makes two ranks pad.
+@pytest.mark.parametrize("world_size", [2])
 def test_ranks_draw_disjoint_shards_and_resume(tmp_path: Path, world_size: int) -> None:
     subprocess.run(
         [sys.executable, "-m", "tests.test_distributed", str(world_size), str(tmp_path)],
