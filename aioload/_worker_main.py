@@ -208,6 +208,12 @@ def _seed_numpy(state: list[int]) -> None:
     def seed(module: ModuleType) -> None:
         module.seed(state)
 
+    # A seeding not applied yet (numpy.random still not imported) is replaced, not stacked:
+    # two hooks for one import would each wrap the same loader's ``exec_module``.
+    for finder in sys.meta_path:
+        if isinstance(finder, _AfterImport) and finder.name == "numpy.random":
+            finder.then = seed
+            return
     sys.meta_path.insert(0, _AfterImport("numpy.random", seed))
 
 

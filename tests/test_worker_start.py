@@ -97,6 +97,43 @@ def test_numpy_seeded_on_import_draws_as_torch(no_leaks: None) -> None:
     assert [row["worker"] for row in result["aioload"]] == [0, 0, 1, 1, 0, 0, 1, 1]
 
 
+_SEED_TWICE_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from aioload import _worker_main
+
+    assert "numpy.random" not in sys.modules, "the test needs numpy.random not imported yet"
+    _worker_main._seed_numpy([1, 2, 3])
+    _worker_main._seed_numpy([4, 5, 6])  # a second seeding before the import replaces the first
+    hooks = [f for f in sys.meta_path if isinstance(f, _worker_main._AfterImport)]
+    assert len(hooks) == 1, hooks
+    import numpy.random
+
+    assert not any(isinstance(f, _worker_main._AfterImport) for f in sys.meta_path)
+    first = int(numpy.random.randint(0, 2**31))
+    numpy.random.seed([4, 5, 6])
+    assert first == int(numpy.random.randint(0, 2**31)), "not seeded with the second state"
+    print("ok")
+    """
+)
+
+
+def test_a_second_seeding_before_numpy_random_is_imported_replaces_the_first() -> None:
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")]))
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", _SEED_TWICE_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "ok"
+
+
 @pytest.fixture
 def module_dir(tmp_path: Path) -> Iterator[Path]:
     sys.path.insert(0, str(tmp_path))
