@@ -312,6 +312,8 @@ class WorkerPool:
         # for this pass's pipe: a closed descriptor leaves epoll by itself, so the selector's
         # record of it must go too, or the new pipe would never be registered.
         self._watch(None)
+        # What a wait of an earlier pass saw is not this pass's news: poll() selects afresh.
+        self._woken = None
         self.plans = list(plans)
         if self.passes:
             self.generation += 1
