@@ -3,8 +3,8 @@
 One Orchestrator serves one pass over the sampler, described by one frozen ``PassSetup``. It is
 pure bookkeeping on the event loop: it sends ``(task_id, indices)`` to the workers of a
 ``_backend.WorkerBackend`` (processes, the calling process, or Ray actors), keeps at most
-``prefetch_factor * num_workers`` tasks between "sent" and "yielded", and hands batches out in task-id order (or as they complete, with
-``in_order=False``). It starts no tasks of its own: all of its work happens inside the
+``prefetch_factor * num_workers`` tasks between "sent" and "yielded", and hands batches out in
+task-id order (or as they complete, with ``in_order=False``). It starts no tasks of its own: all of its work happens inside the
 consumer's ``await engine.next()``, so it needs no task group, cannot leak a background task,
 and is cancelled exactly when the consumer is.
 
