@@ -15,14 +15,19 @@ policy (how many, which tasks go again) is the engine's, the same for every back
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sys
+import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from ._fetch import PassPlan
 from ._messages import Event
 
-__all__ = ["BackendKeeper", "WorkerBackend", "wait_readable"]
+__all__ = ["BackendKeeper", "WorkerBackend", "run_off_loop", "wait_readable"]
+
+T = TypeVar("T")
 
 
 class WorkerBackend(Protocol):
@@ -156,3 +161,58 @@ async def wait_readable(fd: int, timeout: float) -> bool:
     finally:
         timer.cancel()
         loop.remove_reader(fd)
+
+
+async def run_off_loop(fn: Callable[[], T]) -> T:
+    """Run ``fn`` in a thread and return its result, for the blocking steps of a pass's start
+    and end (forking workers, waiting for them to exit) that must not stall the caller's loop.
+    Shielded from anyio's cancellation: a pool half-made, or half-closed, when a cancel scope
+    fires would be orphaned. A native ``Task.cancel()`` does end the await early (no shield
+    holds it off, anyio's included); ``fn`` then runs on to its end in its thread, which is
+    why the callers make ``fn`` safe to finish unobserved (see ``Orchestrator._start``).
+
+    Under asyncio with anyio not imported, no anyio cancel scope can exist, so nothing needs
+    shielding from one: the call is a thread of its own and a future on the loop, without
+    importing anyio and its asyncio backend (25-40 ms, paid by ``async for``'s first batch).
+    A thread per call, not the loop's default executor: these run once or twice per pass, and
+    a user's own blocking jobs queued on that executor must not hold up a start or a close.
+    """
+    try:
+        loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+    if loop is not None and "anyio" not in sys.modules:
+        return await _in_own_thread(loop, fn)
+    # trio, or anyio in use on asyncio (its cancel scopes may be around this call).
+    import anyio
+    import anyio.to_thread
+
+    with anyio.CancelScope(shield=True):
+        outcome = await anyio.to_thread.run_sync(fn)
+    return outcome
+
+
+async def _in_own_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], T]) -> T:
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(outcome: T | None, error: BaseException | None) -> None:
+        if done.done():
+            return  # the awaiting task was cancelled
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(outcome)  # type: ignore[arg-type]
+
+    def run() -> None:
+        outcome: T | None = None
+        error: BaseException | None = None
+        try:
+            outcome = fn()
+        except BaseException as exc:  # handed to the awaiting task, as anyio's threads do
+            error = exc
+        # A closed loop: nobody is waiting for this any more.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle, outcome, error)
+
+    threading.Thread(target=run, name="aioload-off-loop", daemon=True).start()
+    return await done

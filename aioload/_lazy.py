@@ -9,7 +9,8 @@ batch. The time to the first batch counted from before ``import aioload`` is the
 way.
 
 ``for batch in loader`` needs neither anyio nor an event loop (it waits in the calling thread,
-see ``Orchestrator.next_blocking``), so only ``async for`` imports anyio and its backend.
+see ``Orchestrator.next_blocking``), and ``async for`` under asyncio needs no anyio either (see
+``warm_async``).
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ def warm(num_workers: int) -> None:
 
 
 def warm_async() -> None:
-    """Import what ``async for`` needs on the running loop: anyio and its backend for it;
-    called by ``__aiter__``."""
+    """Import what ``async for`` needs on the running loop; called by ``__aiter__``. Under
+    asyncio (and uvloop), nothing: the engine waits, checkpoints and starts its workers with
+    asyncio's own primitives there (``_backend.wait_readable``, ``run_off_loop``). Under trio,
+    anyio and its trio backend, through which the engine does the same."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         # Not under asyncio: trio (anyio supports no other), if it is running at all.
-        backend = "anyio._backends._trio" if "trio" in sys.modules else None
-    else:
-        backend = "anyio._backends._asyncio"
-    _load(["anyio", "anyio.lowlevel", "anyio.to_thread"] + ([backend] if backend else []))
+        if "trio" in sys.modules:
+            _load(["anyio", "anyio.lowlevel", "anyio.to_thread", "anyio._backends._trio"])

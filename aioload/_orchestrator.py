@@ -9,8 +9,9 @@ consumer's ``await engine.next()``, so it needs no task group, cannot leak a bac
 and is cancelled exactly when the consumer is.
 
 The sync front end drives the same orchestrator without an event loop where it can
-(``next_blocking``: the waits block the calling thread). anyio is imported only by the async
-paths that use it, so ``for batch in loader`` never pays for importing it.
+(``next_blocking``: the waits block the calling thread). anyio is imported only under trio
+(or where the program has imported it already), so neither ``for batch in loader`` nor
+``async for`` under asyncio pays for importing it.
 
 Worker assignment follows torch's DataLoader (round robin over active workers, and with
 ``in_order=False`` a per-worker cap), so each index lands on the same worker id as it would under
@@ -28,7 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple, NoReturn
 
-from ._backend import WorkerBackend
+from ._backend import WorkerBackend, run_off_loop
 from ._fetch import PassPlan, take_skips
 from ._messages import (
     AllSkipped,
@@ -346,7 +347,7 @@ class Orchestrator:
 
     def _make_owned_backend(self) -> WorkerBackend:
         # The pass takes ownership in the thread that makes the pool, not after the await: a
-        # native asyncio Task.cancel() is not held off by anyio's shield, so the await can end
+        # native asyncio Task.cancel() is not held off (see run_off_loop), so the await can end
         # while the thread goes on, and the pool it makes must still close with the pass.
         backend = self._make_backend()
         if self._owns_backend:
@@ -357,11 +358,7 @@ class Orchestrator:
 
     async def _start(self) -> None:
         if self._setup.offload_start:
-            import anyio
-
-            with anyio.CancelScope(shield=True):
-                # Shielded: a pool half-made when a cancellation arrives would be orphaned.
-                backend = await anyio.to_thread.run_sync(self._make_owned_backend)
+            backend = await run_off_loop(self._make_owned_backend)
         else:
             backend = self._make_owned_backend()
         self._adopt(backend)
@@ -649,10 +646,7 @@ class Orchestrator:
         if self._closed:
             await _checkpoint()
             return
-        import anyio
-
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self.close)
+        await run_off_loop(self.close)
 
 
 async def _checkpoint() -> None:

@@ -1,0 +1,156 @@
+"""``async for`` under plain asyncio and uvloop, in a program that has not imported anyio.
+
+There the engine starts and stops its workers with a thread and a future of its own
+(``_backend.run_off_loop``) instead of anyio's, and imports no anyio at all. The pytest process
+always has anyio (its pytest plugin), so these run in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+_REPO = str(Path(__file__).resolve().parents[1])
+
+_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, json, sys, time
+    import psutil, torch
+    import aioload
+
+    LOOP = sys.argv[1]
+
+
+    def workers_left(deadline_s=10.0):
+        # Worker processes still alive, waiting (boundedly) for stopped ones to be reaped.
+        me = psutil.Process()
+        end = time.monotonic() + deadline_s
+        while True:
+            alive = [c for c in me.children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
+            if not alive or time.monotonic() > end:
+                return len(alive)
+            time.sleep(0.02)
+
+
+    class Slow(torch.utils.data.Dataset):
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            time.sleep(0.02)
+            return i
+
+
+    async def whole_pass():
+        loader = aioload.DataLoader(list(range(50)), batch_size=4, num_workers=2)
+        return [int(i) async for b in loader for i in b]
+
+
+    async def cancelled_while_starting():
+        loader = aioload.DataLoader(list(range(50)), batch_size=4, num_workers=2)
+        it = aiter(loader)
+        task = asyncio.ensure_future(anext(it))
+        await asyncio.sleep(0)  # the task is now in the pool's start (a thread)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        # Whatever the thread was doing, the pass is closed and its workers stop.
+        return workers_left()
+
+
+    async def timeout_mid_pass():
+        loader = aioload.DataLoader(Slow(), batch_size=2, num_workers=2)
+        got = []
+        try:
+            async with asyncio.timeout(0.3):
+                async for b in loader:
+                    got.extend(int(i) for i in b)
+        except TimeoutError:
+            pass
+        return got, workers_left()
+
+
+    async def start_error():
+        # Made in the thread, raised in the awaiting task, with its own type.
+        loader = aioload.DataLoader(
+            [lambda: 0] * 4, batch_size=2, num_workers=1, multiprocessing_context="spawn"
+        )
+        try:
+            async for _ in loader:
+                pass
+        except Exception as exc:
+            return type(exc).__name__
+        return "no error"
+
+
+    async def main():
+        full = await whole_pass()
+        left_after_cancel = await cancelled_while_starting()
+        got, left_after_timeout = await timeout_mid_pass()
+        error = await start_error()
+        again = await whole_pass()
+        return {
+            "full": full,
+            "left_after_cancel": left_after_cancel,
+            "timeout_prefix": got == list(range(len(got))),
+            "left_after_timeout": left_after_timeout,
+            "error": error,
+            "again": again == full,
+            "anyio": sorted(m for m in sys.modules if m.split(".")[0] == "anyio"),
+            "threads_left": threads_left(),
+        }
+
+
+    def threads_left():
+        # A thread settles its future just before it ends; give each a moment to end.
+        import threading
+        mine = [t for t in threading.enumerate() if t.name == "aioload-off-loop"]
+        for t in mine:
+            t.join(5)
+        return [t.name for t in mine if t.is_alive()]
+
+
+    if LOOP == "uvloop":
+        import uvloop
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            result = runner.run(main())
+    else:
+        result = asyncio.run(main())
+    print(json.dumps(result))
+    """
+)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_async_for_starts_and_stops_workers_without_importing_anyio(loop: str) -> None:
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")]))
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, loop],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["full"] == list(range(50))
+    assert result["left_after_cancel"] == 0
+    assert result["timeout_prefix"]
+    assert result["left_after_timeout"] == 0
+    assert result["error"] in {"PicklingError", "AttributeError", "TypeError"}, result["error"]
+    assert result["again"]
+    assert result["anyio"] == []
+    assert result["threads_left"] == []
