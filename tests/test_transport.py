@@ -32,6 +32,7 @@ from torch.utils.data import Dataset, default_collate
 import aioload
 from aioload import _transport, _worker_main
 from aioload._messages import PickledBatch, Produced, SlabBatch, Task
+from tests.leaks import ProcessTree, shm_entries, shm_leaks
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -288,13 +289,6 @@ def mapped() -> Callable[[], int]:
     return lambda: slab_mappings() - base
 
 
-def shm_entries() -> set[str]:
-    try:
-        return set(os.listdir("/dev/shm"))
-    except FileNotFoundError:
-        return set()
-
-
 def num_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -537,7 +531,14 @@ def _worker_fds() -> dict[int, int]:
 def test_no_shm_mapping_or_fd_growth_over_50_epochs(
     no_leaks: None, mapped: Callable[[], int], persistent: bool
 ) -> None:
+    # /dev/shm is the machine's: only entries this process tree made count (tests/leaks.py).
     shm_before = shm_entries()
+    tree = ProcessTree()
+
+    def new_shm() -> list[str]:
+        tree.observe()
+        return shm_leaks(shm_before, tree.pids)
+
     bs, n = 2, 8
     loader = aioload.DataLoader(
         FnDataset(small_sample, n),
@@ -554,7 +555,7 @@ def test_no_shm_mapping_or_fd_growth_over_50_epochs(
                 assert_same(batch, want[k])
                 if k == 0:
                     # Mid-epoch, with batches in flight: still nothing in /dev/shm.
-                    assert shm_entries() == shm_before
+                    assert new_shm() == []
         assert k == len(want) - 1
 
     try:
@@ -566,7 +567,7 @@ def test_no_shm_mapping_or_fd_growth_over_50_epochs(
             epoch()
         gc.collect()
         assert num_fds() - fds_after_one <= 2, f"{fds_after_one} -> {num_fds()} descriptors"
-        assert shm_entries() == shm_before, "slabs must never appear in /dev/shm"
+        assert new_shm() == [], "slabs must never appear in /dev/shm"
         if persistent:
             workers = _worker_fds()
             assert workers.keys() == workers_after_one.keys()

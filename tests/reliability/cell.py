@@ -40,6 +40,7 @@ import torch
 
 import aioload
 from aioload import _transport
+from tests.leaks import ProcessTree, shm_entries, shm_leaks
 from tests.reliability.cell_datasets import Cell, CellStream, FailingCollate, FailingInit
 
 DEATHS = ("sigkill", "segv", "exit3")
@@ -89,25 +90,31 @@ def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def shm_entries() -> set[str]:
-    try:
-        return set(os.listdir("/dev/shm"))
-    except FileNotFoundError:
-        return set()
-
-
 class Baseline:
+    """What was there before the loader: descriptors, and /dev/shm entries. /dev/shm is the
+    machine's, so only new entries this process tree made count (tests/leaks.py); the tree is
+    watched from here on, so that workers that have exited by the check still count."""
+
     def __init__(self) -> None:
         gc.collect()
         self.fds = fd_count()
         self.shm = shm_entries()
+        self.tree = ProcessTree().__enter__()
 
     def compare(self) -> dict[str, Any]:
         gc.collect()
-        return {
+        # The watcher opens /proc files: stopped while descriptors are counted, then started
+        # again (a later compare() still sees the pids seen so far).
+        self.tree.__exit__(None, None, None)
+        result = {
             "fd_growth": fd_count() - self.fds,
-            "shm_new": sorted(shm_entries() - self.shm),
+            "shm_new": shm_leaks(self.shm, self.tree.pids),
         }
+        seen = self.tree.pids
+        self.tree = ProcessTree()
+        self.tree.pids |= seen
+        self.tree.__enter__()
+        return result
 
 
 def after_pass(since: float, base: Baseline, must_close: bool) -> dict[str, Any]:

@@ -32,6 +32,7 @@ import psutil
 import pytest
 
 from tests.helpers import alive
+from tests.leaks import ProcessTree, shm_entries, shm_leaks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -413,13 +414,6 @@ def test_cell(cell: CellSpec) -> None:
 # -- cells signalled from outside ------------------------------------------------------------
 
 
-def _shm() -> set[str]:
-    try:
-        return set(os.listdir("/dev/shm"))
-    except FileNotFoundError:
-        return set()
-
-
 def _wait_ready(proc: subprocess.Popen[str]) -> dict[str, Any]:
     """The child's READY line, within the hard timeout."""
     assert proc.stdout is not None
@@ -485,10 +479,13 @@ def test_sigint_in_consumer(cell: CellSpec) -> None:
 
 @pytest.mark.parametrize("cell", [pytest.param(c, id=c.id) for c in SIGNALLED["parent-sigkill"]])
 def test_parent_sigkill(cell: CellSpec) -> None:
-    shm_before = _shm()
+    shm_before = shm_entries()
     proc = subprocess.Popen(
         cell.argv(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+    # The cell's process tree, watched until its workers are gone: only /dev/shm entries it
+    # made count (the directory is the machine's; see tests/leaks.py).
+    tree = ProcessTree(root=proc.pid).__enter__()
     workers: list[int] = []
     try:
         workers = _wait_ready(proc)["workers"]
@@ -501,6 +498,7 @@ def test_parent_sigkill(cell: CellSpec) -> None:
             time.sleep(0.01)
         took = time.monotonic() - killed_at
     finally:
+        tree.__exit__(None, None, None)
         _stop(proc, workers)
         if proc.stdout is not None:
             proc.stdout.close()
@@ -509,4 +507,4 @@ def test_parent_sigkill(cell: CellSpec) -> None:
     assert proc.returncode == -signal.SIGKILL
     assert left == [], f"workers {left} outlived their SIGKILLed parent by {REPORT_S} s"
     assert took < REPORT_S
-    assert _shm() - shm_before == set(), "new /dev/shm entries"
+    assert shm_leaks(shm_before, tree.pids | set(workers)) == [], "new /dev/shm entries"
