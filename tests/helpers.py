@@ -8,13 +8,38 @@ Datasets live in ``tests.scripts.datasets`` (importable by module path, which ``
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 import anyio
 import psutil
 import uvloop
+
+_REPO = str(Path(__file__).resolve().parents[1])
+
+
+def run_fresh(script: str, *args: str, timeout: float = 100) -> str:
+    """Run ``script`` (Python source) in a fresh interpreter that imports this checkout's
+    aioload, and return the last line it printed; fails the test if it exits non-zero. For what
+    the test process cannot show: it has imported anyio, numpy.random and the rest already."""
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")]))
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()[-1]
 
 
 def run_on(backend: str, fn: Callable[[], Coroutine[Any, Any, Any]]) -> Any:

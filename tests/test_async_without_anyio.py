@@ -8,17 +8,13 @@ always has anyio (its pytest plugin), so these run in a fresh interpreter.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(120)
+from tests.helpers import run_fresh
 
-_REPO = str(Path(__file__).resolve().parents[1])
+pytestmark = pytest.mark.timeout(120)
 
 _SCRIPT = textwrap.dedent(
     """
@@ -133,19 +129,7 @@ _SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_async_for_starts_and_stops_workers_without_importing_anyio(loop: str) -> None:
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")]))
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, loop],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        env=env,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads(run_fresh(_SCRIPT, loop))
     assert result["full"] == list(range(50))
     assert result["left_after_cancel"] == 0
     assert result["timeout_prefix"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -21,10 +20,9 @@ from types import ModuleType
 import pytest
 
 from aioload import _channel, _transport, _worker_main
+from tests.helpers import run_fresh
 
 pytestmark = pytest.mark.timeout(120)
-
-_REPO = str(Path(__file__).resolve().parents[1])
 
 # Run in a fresh interpreter, where nothing has imported numpy.random: a dataset that imports
 # it inside __getitem__ draws from it, under torch's loader and aioload's, forked workers.
@@ -73,19 +71,7 @@ _LATE_NUMPY_SCRIPT = textwrap.dedent(
 
 
 def test_numpy_seeded_on_import_draws_as_torch(no_leaks: None) -> None:
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")]))
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", _LATE_NUMPY_SCRIPT],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        env=env,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads(run_fresh(_LATE_NUMPY_SCRIPT))
     # The parent never needed numpy.random, so aioload's workers took the on-import path
     # (torch's imported it to seed it) ...
     assert not result["parent_imported"]
@@ -119,19 +105,7 @@ _SEED_TWICE_SCRIPT = textwrap.dedent(
 
 
 def test_a_second_seeding_before_numpy_random_is_imported_replaces_the_first() -> None:
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")]))
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", _SEED_TWICE_SCRIPT],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        env=env,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().splitlines()[-1] == "ok"
+    assert run_fresh(_SEED_TWICE_SCRIPT) == "ok"
 
 
 @pytest.fixture
