@@ -19,6 +19,9 @@ import time
 import warnings
 from typing import Any
 
+# Imported with the module, not lazily: close() reaches the consumer's loop through
+# anyio.from_thread, which works only in anyio's worker threads, and _backend.run_off_loop runs
+# aclose()'s close() in one of those exactly when anyio has been imported.
 import anyio
 import anyio.from_thread
 
