@@ -138,3 +138,56 @@ def test_async_for_starts_and_stops_workers_without_importing_anyio(loop: str) -
     assert result["again"]
     assert result["anyio"] == []
     assert result["threads_left"] == []
+
+
+_INLINE_CONTEXT_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, json, warnings
+    import torch
+    import aioload
+
+    events = []
+
+
+    class Sessioned(torch.utils.data.Dataset):
+        async def __aenter__(self):
+            await asyncio.sleep(0)
+            events.append("enter")
+            return self
+
+        async def __aexit__(self, *exc):
+            await asyncio.sleep(0)
+            events.append("exit")
+
+        def __len__(self):
+            return 12
+
+        async def __getitem__(self, i):
+            await asyncio.sleep(0)
+            return i
+
+
+    async def main():
+        # num_workers=0: the dataset runs on this loop, and its context must be exited on it
+        # when the pass ends (the close reaches the loop from the thread that runs it).
+        loader = aioload.DataLoader(Sessioned(), batch_size=4, num_workers=0)
+        got = [int(i) async for b in loader for i in b]
+        it = aiter(loader)
+        await anext(it)
+        await it.aclose()
+        return got
+
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        got = asyncio.run(main())
+    print(json.dumps({"got": got, "events": events}))
+    """
+)
+
+
+def test_an_async_datasets_context_is_exited_on_the_loop_with_num_workers_0() -> None:
+    # In a fresh interpreter, where nothing but aioload itself imports anyio.
+    result = json.loads(run_fresh(_INLINE_CONTEXT_SCRIPT))
+    assert result["got"] == list(range(12))
+    assert result["events"] == ["enter", "exit", "enter", "exit"]
