@@ -37,7 +37,11 @@ test: lint docs unit
 
 # aioload vs torch, the peers (torchdata.nodes, SPDL) and each workload's no-loader floor, with
 # issue 17's targets as PASS/FAIL; writes docs/benchmarks.{md,json,png}. About 15 minutes.
+# aioload's bytecode is compiled first, as an installed package's is: the editable install has
+# none, and where PYTHONDONTWRITEBYTECODE is set every fresh process of the start-up figures
+# would compile the package again (about 20 ms of its first batch).
 bench: install
+	$(PY) -m compileall -q aioload
 	$(PY) -m aioload.bench
 	$(PY) -m aioload.bench.seeding --json docs/seeding.json
 
