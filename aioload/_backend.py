@@ -214,5 +214,18 @@ async def _in_own_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], T]) -
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(settle, outcome, error)
 
-    threading.Thread(target=run, name="aioload-off-loop", daemon=True).start()
-    return await done
+    # Not a daemon: a daemon thread still running when the interpreter exits is stopped
+    # wherever it stands, which with native code on its stack can abort the process. And a
+    # cancelled caller leaves this thread finishing a start or a close, which the interpreter
+    # should wait for at exit rather than cut short (both are bounded).
+    thread = threading.Thread(target=run, name="aioload-off-loop")
+    thread.start()
+    try:
+        return await done
+    finally:
+        if done.done() and not done.cancelled():
+            # The thread has settled the future and has only its return left: joined, so
+            # that it is gone before the caller goes on (and, at the end of a program, before
+            # the interpreter shuts down). Microseconds: join releases the GIL the thread
+            # needs. (Not when the caller was cancelled: then fn may still be running.)
+            thread.join()
