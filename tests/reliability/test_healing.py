@@ -98,17 +98,32 @@ def test_twenty_random_kills_in_one_epoch_lose_nothing(mode: str, no_leaks: None
     loader = aioload.DataLoader(
         dataset, batch_size=8, num_workers=2, shuffle=True, generator=gen, max_worker_restarts=40
     )
+    # The last batches are taken slowly until the 20 kills are done, so that a slow or busy
+    # machine (the killer's thread starved, workers slow to come back) cannot end the epoch
+    # first; the workers stay alive meanwhile, so the killer always has one to kill.
+    tail = len(loader) - 100
+
+    def linger(position: int, killer: Killer) -> float:
+        return 0.02 if position >= tail and len(killer.kills) < killer.count else 0.0
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with Killer(20) as killer:
+            got: list[int] = []
             if mode == "sync":
-                got = [int(i) for b in loader for i in b]
+                for position, batch in enumerate(loader):
+                    got.extend(int(i) for i in batch)
+                    time.sleep(linger(position, killer))
             else:
 
-                async def consume() -> list[int]:
-                    return [int(i) async for b in loader for i in b]
+                async def consume() -> None:
+                    position = 0
+                    async for batch in loader:
+                        got.extend(int(i) for i in batch)
+                        await anyio.sleep(linger(position, killer))
+                        position += 1
 
-                got = anyio.run(consume)
+                anyio.run(consume)
     assert len(killer.kills) == 20, "the epoch ended before 20 kills: make it longer"
     assert got == _torch_order(dataset, 3), "every index exactly once, in the sampler's order"
     restarts = [w for w in caught if "replaced it with a new worker" in str(w.message)]
