@@ -95,11 +95,24 @@ class ProcessTree:
         while not self._stop.wait(self.interval):
             self.observe()
 
-    def __enter__(self) -> ProcessTree:
+    def start(self) -> ProcessTree:
+        """Watch from now on (again, after ``stop``: the pids seen so far are kept)."""
         self.observe()
+        self._stop.clear()
         self._watcher = threading.Thread(target=self._watch, name="no_leaks-tree", daemon=True)
         self._watcher.start()
         return self
+
+    def stop(self) -> None:
+        # Joined before the caller counts descriptors: the watcher opens /proc files.
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join()
+            self._watcher = None
+        self.observe()
+
+    def __enter__(self) -> ProcessTree:
+        return self.start()
 
     def __exit__(
         self,
@@ -107,11 +120,7 @@ class ProcessTree:
         error: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        # Joined before the caller counts descriptors: the watcher opens /proc files.
-        self._stop.set()
-        if self._watcher is not None:
-            self._watcher.join()
-        self.observe()
+        self.stop()
 
 
 def holders(paths: Iterable[str], besides: set[int]) -> set[str]:

@@ -99,21 +99,18 @@ class Baseline:
         gc.collect()
         self.fds = fd_count()
         self.shm = shm_entries()
-        self.tree = ProcessTree().__enter__()
+        self.tree = ProcessTree().start()
 
     def compare(self) -> dict[str, Any]:
         gc.collect()
         # The watcher opens /proc files: stopped while descriptors are counted, then started
-        # again (a later compare() still sees the pids seen so far).
-        self.tree.__exit__(None, None, None)
+        # again (it keeps the pids seen so far, for a later compare()).
+        self.tree.stop()
         result = {
             "fd_growth": fd_count() - self.fds,
             "shm_new": shm_leaks(self.shm, self.tree.pids),
         }
-        seen = self.tree.pids
-        self.tree = ProcessTree()
-        self.tree.pids |= seen
-        self.tree.__enter__()
+        self.tree.start()
         return result
 
 

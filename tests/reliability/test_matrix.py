@@ -483,22 +483,22 @@ def test_parent_sigkill(cell: CellSpec) -> None:
     proc = subprocess.Popen(
         cell.argv(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    # The cell's process tree, watched until its workers are gone: only /dev/shm entries it
-    # made count (the directory is the machine's; see tests/leaks.py).
-    tree = ProcessTree(root=proc.pid).__enter__()
     workers: list[int] = []
     try:
-        workers = _wait_ready(proc)["workers"]
-        assert len(workers) == 2, workers
-        assert set(workers) <= {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=HARD_TIMEOUT_S)
-        killed_at = time.monotonic()
-        while (left := alive(workers)) and time.monotonic() - killed_at < REPORT_S:
-            time.sleep(0.01)
-        took = time.monotonic() - killed_at
+        # The cell's process tree, watched until its workers are gone: only /dev/shm entries
+        # it made count (the directory is the machine's; see tests/leaks.py).
+        with ProcessTree(root=proc.pid) as tree:
+            workers = _wait_ready(proc)["workers"]
+            assert len(workers) == 2, workers
+            children = psutil.Process(proc.pid).children(recursive=True)
+            assert set(workers) <= {c.pid for c in children}
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=HARD_TIMEOUT_S)
+            killed_at = time.monotonic()
+            while (left := alive(workers)) and time.monotonic() - killed_at < REPORT_S:
+                time.sleep(0.01)
+            took = time.monotonic() - killed_at
     finally:
-        tree.__exit__(None, None, None)
         _stop(proc, workers)
         if proc.stdout is not None:
             proc.stdout.close()
