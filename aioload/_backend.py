@@ -25,7 +25,13 @@ from typing import Any, Protocol, TypeVar
 from ._fetch import PassPlan
 from ._messages import Event
 
-__all__ = ["BackendKeeper", "WorkerBackend", "run_off_loop", "wait_readable"]
+__all__ = [
+    "BackendKeeper",
+    "WorkerBackend",
+    "run_off_loop",
+    "running_asyncio_loop",
+    "wait_readable",
+]
 
 T = TypeVar("T")
 
@@ -128,6 +134,15 @@ class BackendKeeper:
             kept.close()
 
 
+def running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
+    """The running asyncio (or uvloop) loop; None under trio, the only other loop anyio runs
+    on, whose waits and threads go through anyio."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 async def wait_readable(fd: int, timeout: float) -> bool:
     """Wait until ``fd`` is readable (True) or ``timeout`` seconds pass (False): the one await
     of a backend's ``wait``. Cancellable like any await.
@@ -139,9 +154,8 @@ async def wait_readable(fd: int, timeout: float) -> bool:
     is interrupted at ``await waiter``, and the ``finally`` removes the reader and the timer.
     Under trio, anyio's (trio's own) primitives do it.
     """
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
+    loop = running_asyncio_loop()
+    if loop is None:
         import anyio
 
         with anyio.move_on_after(timeout):
@@ -177,10 +191,7 @@ async def run_off_loop(fn: Callable[[], T]) -> T:
     A thread per call, not the loop's default executor: these run once or twice per pass, and
     a user's own blocking jobs queued on that executor must not hold up a start or a close.
     """
-    try:
-        loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-    except RuntimeError:
-        loop = None
+    loop = running_asyncio_loop()
     if loop is not None and "anyio" not in sys.modules:
         return await _in_own_thread(loop, fn)
     # trio, or anyio in use on asyncio (its cancel scopes may be around this call).

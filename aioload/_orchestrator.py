@@ -4,9 +4,9 @@ One Orchestrator serves one pass over the sampler, described by one frozen ``Pas
 pure bookkeeping on the event loop: it sends ``(task_id, indices)`` to the workers of a
 ``_backend.WorkerBackend`` (processes, the calling process, or Ray actors), keeps at most
 ``prefetch_factor * num_workers`` tasks between "sent" and "yielded", and hands batches out in
-task-id order (or as they complete, with ``in_order=False``). It starts no tasks of its own: all of its work happens inside the
-consumer's ``await engine.next()``, so it needs no task group, cannot leak a background task,
-and is cancelled exactly when the consumer is.
+task-id order (or as they complete, with ``in_order=False``). It starts no tasks of its own:
+all of its work happens inside the consumer's ``await engine.next()``, so it needs no task
+group, cannot leak a background task, and is cancelled exactly when the consumer is.
 
 The sync front end drives the same orchestrator without an event loop where it can
 (``next_blocking``: the waits block the calling thread). anyio is imported only under trio
@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple, NoReturn
 
-from ._backend import WorkerBackend, run_off_loop
+from ._backend import WorkerBackend, run_off_loop, running_asyncio_loop
 from ._fetch import PassPlan, take_skips
 from ._messages import (
     AllSkipped,
@@ -653,9 +653,7 @@ async def _checkpoint() -> None:
     """Yield to the running loop once, raising if the task has been cancelled. Under asyncio
     (and uvloop) that is ``sleep(0)``, what anyio's own checkpoint does there, without its
     backend lookup (about 4 us a call); under trio, anyio's checkpoint, which is trio's."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
+    if running_asyncio_loop() is None:
         import anyio.lowlevel
 
         await anyio.lowlevel.checkpoint()  # trio
