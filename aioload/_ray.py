@@ -36,6 +36,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from . import _transport
 from ._backend import wait_readable
 from ._fetch import PassPlan
 from ._messages import (
@@ -72,6 +73,9 @@ class _ActorImpl:
         import torch
 
         torch.set_num_threads(1)
+        # A Ray actor has its own process, as a worker does (Ray's local mode, where it would
+        # share the driver's, is deprecated; there this only stacks as outside a worker).
+        _transport.stack_tensors_privately()
         # ``payload`` is the object-store copy of (dataset, collate_fn, worker_init_fn): Ray
         # resolved the ObjectRef argument to its value before calling us.
         config.payload = payload

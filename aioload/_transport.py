@@ -49,6 +49,7 @@ __all__ = [
     "dumps_by_value",
     "encode_batch",
     "slab_collate",
+    "stack_tensors_privately",
 ]
 
 ALIGN = 64
@@ -308,6 +309,25 @@ _SLAB_COLLATE_MAP: dict[Any, Callable[..., Any]] = {
 def slab_collate(batch: Any) -> Any:
     """``default_collate`` with tensors stacked into the current slab."""
     return collate(batch, collate_fn_map=_SLAB_COLLATE_MAP)
+
+
+def stack_tensors_privately() -> None:
+    """In a worker process: torch's ``default_collate``, wherever the user's code calls it,
+    stacks tensors as it does outside workers (into the current slab where aioload collates).
+
+    torch's ``collate_tensor_fn`` sees ``get_worker_info()`` (which aioload's workers set, as
+    torch's do) and then stacks every batch into a fresh shared-memory segment, for torch's
+    own queues to pass by descriptor. aioload sends batches in its slabs or by value, so that
+    segment is waste: a ``shm_open``, ``ftruncate``, ``mmap`` and ``unlink`` and a page fault
+    for every page of every batch, which aioload then copies again. It is also a leak: the
+    segment's /dev/shm name lives between ``shm_open`` and ``unlink``, and a worker killed in
+    between (a kill is something aioload heals from) leaves it there for good.
+
+    A custom ``collate_fn`` that calls ``default_collate`` gets its tensors from
+    ``default_collate_fn_map``, which this points at aioload's collate (the dict is looked up
+    at each call). Run only in processes that are aioload's workers: the parent's map is the
+    user's."""
+    default_collate_fn_map[torch.Tensor] = _collate_tensor_into_slab
 
 
 def _slab_tensor(obj: torch.Tensor) -> bool:

@@ -264,6 +264,7 @@ def worker_main(config: WorkerConfig, sock: Any) -> None:
     # Ctrl-C goes to the whole process group; the parent decides what it means and stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
+    _transport.stack_tensors_privately()
     channel = WorkerChannel(sock)
     # ChannelClosed and friends: the parent is gone or shut us down.
     with contextlib.suppress(ChannelClosed, BrokenPipeError, ConnectionResetError):

@@ -1120,3 +1120,32 @@ def test_worker_falls_back_when_the_arena_cannot_get_a_slab(
     worker._run(Task(0, 0, [0, 1, 2, 3]))
     (message,) = worker.channel.sent
     assert isinstance(message.result, (PickledBatch, SlabBatch)), f"got {message.result!r}"
+
+
+def _collate_and_report_sharing(batch: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A user's collate_fn that calls default_collate, and says where its result lives."""
+    stacked = default_collate(batch)
+    return {"data": stacked, "shared": torch.tensor(stacked.is_shared())}
+
+
+def test_default_collate_in_a_custom_collate_uses_no_shared_memory_segment(
+    no_leaks: None,
+) -> None:
+    # torch's workers stack default_collate's tensors into a fresh /dev/shm segment per batch
+    # (checked here, so the probe is known to see it); aioload's send batches in their slabs,
+    # so they stack as outside a worker, and the parent's map stays torch's.
+    dataset = FnDataset(lambda i: torch.full((64,), float(i)), 8)
+    common: dict[str, Any] = {
+        "batch_size": 4,
+        "num_workers": 1,
+        "collate_fn": _collate_and_report_sharing,
+    }
+    torch_batches = list(torch.utils.data.DataLoader(dataset, **common))
+    assert all(bool(b["shared"]) for b in torch_batches)
+    got = drain(aioload.DataLoader(dataset, **common))
+    assert [bool(b["shared"]) for b in got] == [False, False]
+    for want, batch in zip(torch_batches, got, strict=True):
+        assert torch.equal(batch["data"], want["data"])
+    assert torch.utils.data._utils.collate.default_collate_fn_map[torch.Tensor] is (
+        torch.utils.data._utils.collate.collate_tensor_fn
+    )
