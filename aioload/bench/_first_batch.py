@@ -66,7 +66,7 @@ def main() -> int:
     dataset = workloads.make_dataset(
         a.workload, size, a.cpu_iters, asynchronous=on_aioload, url=a.url
     )
-    extra = dict(workload.aioload_kwargs) if on_aioload else {}
+    extra = workload.loader_kwargs(on_aioload=on_aioload)
     preloaded = sorted(m for m in sys.modules if m == "aioload" or m.startswith("aioload."))
     if preloaded:
         raise SystemExit(f"aioload was imported before the clock started: {preloaded}")

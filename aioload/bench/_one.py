@@ -169,7 +169,7 @@ def _make_loader(cfg: RunConfig, dataset: object) -> Any:
     if cfg.loader in PEERS:
         return cls(dataset, batch_size=cfg.batch_size, num_workers=cfg.num_workers)
     workload = WORKLOADS.get(cfg.workload)
-    extra = dict(workload.aioload_kwargs) if workload and _real_aioload(cfg) else {}
+    extra = workload.loader_kwargs(on_aioload=_real_aioload(cfg)) if workload else {}
     return cls(dataset, batch_size=cfg.batch_size, num_workers=cfg.num_workers, **extra)
 
 

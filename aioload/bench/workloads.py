@@ -6,7 +6,8 @@ per-batch overhead, not sample generation.
 
 The exceptions are the latency-bound workloads (``latency``, ``http``): there the point is an
 async dataset, so torch reads the synchronous version of the same data and aioload the async
-one, with ``worker_concurrency`` (``Workload.aioload_kwargs``).
+one, with ``worker_concurrency`` (``Workload.aioload_kwargs``). ``image-collate`` gives both
+loaders the same ``collate_fn`` of a user's own (``Workload.collate_fn``).
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 IMAGE_SHAPE: tuple[int, int, int] = (3, 224, 224)
 IMAGE_POOL: int = 4
@@ -255,6 +256,22 @@ class Workload:
     description: str
     # Extra DataLoader arguments on the aioload side (with the async dataset).
     aioload_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    # The collate_fn both torch's and aioload's loaders get (None: their default).
+    collate_fn: Callable[[list[Any]], Any] | None = None
+
+    def loader_kwargs(self, *, on_aioload: bool) -> dict[str, Any]:
+        """The DataLoader arguments beyond dataset, batch_size and num_workers."""
+        kwargs = dict(self.aioload_kwargs) if on_aioload else {}
+        if self.collate_fn is not None:
+            kwargs["collate_fn"] = self.collate_fn
+        return kwargs
+
+
+def users_collate(samples: list[Any]) -> Any:
+    """A user's own ``collate_fn`` that calls ``default_collate``, as many do to add a step
+    around it. In a worker, torch's ``default_collate`` stacks into a fresh shared-memory
+    segment per batch; the ``image-collate`` workload measures what each loader makes of it."""
+    return default_collate(samples)
 
 
 CONCURRENCY = 32
@@ -265,6 +282,17 @@ WORKLOADS: dict[str, Workload] = {
         # Sizes: one epoch outlasts a run's 3 s of steady state, which stops mid-epoch.
         Workload("tiny", 4_000_000, 256, 2, 2.5, "scalar tensors, per-batch overhead"),
         Workload("image", 400_000, 64, 2, 4.0, "uint8 3x224x224, transport bandwidth"),
+        Workload(
+            "image-collate",
+            400_000,
+            64,
+            2,
+            # Not image's 4x: the collate is the user's, so aioload cannot stack into its slab
+            # and copies each batch once more than under image.
+            3.0,
+            "image, collate_fn of the user's own that calls default_collate",
+            collate_fn=users_collate,
+        ),
         Workload("cpu", 20_000, 32, 2, 1.0, "~1 ms pure Python per sample, compute scaling"),
         Workload(
             "latency",
@@ -298,7 +326,7 @@ def make_dataset(
         return TinyDataset(size)
     if name.startswith("bytes:"):
         return BytesDataset(size, int(name.split(":", 1)[1]))
-    if name == "image":
+    if name in ("image", "image-collate"):
         return ImageDataset(size)
     if name == "cpu":
         return CpuDataset(size, cpu_iters)
