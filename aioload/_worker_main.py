@@ -471,6 +471,8 @@ class WorkerStep:
                 data = make_batch()
             finally:
                 _transport._current_arena = None
+                # A first batch's arena has a slab only if the collate stacked into it.
+                arena = _transport.settled_arena(arena)
             stream = None
             if self.iterable:
                 fetcher = self.fetcher

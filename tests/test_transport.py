@@ -846,13 +846,19 @@ def test_slab_collate_stacks_straight_into_the_arena(
     samples = [arena_sample(i) for i in range(4)]
     want = default_collate(samples)
 
-    # The first batch has no size estimate: it is collated normally and copied once.
-    assert pool.arena() is None
-    enc, got = transfer.send(_transport.slab_collate(samples))
+    # The first batch has no size estimate: its slab is made for the first tensor stacked,
+    # and these samples' other large leaves do not fit there; the batch moves to a slab of
+    # the right size, and the first one is dropped, not kept idle.
+    collated, pending = transfer.collate_in_arena(samples)
+    made = _transport.settled_arena(pending)
+    assert made is not None and made.holds(collated["img"])
+    enc, got = transfer.send(collated, made)
     assert_same(got, want)
     first_slab = enc.slab
-    assert first_slab is not None and pool.expected >= enc.used
-    del got
+    assert first_slab is not None and first_slab is not made.slab
+    assert list(pool.slabs) == [first_slab.id] and pool.take_dropped() == [made.slab.id]
+    assert pool.expected >= enc.used
+    del got, collated
     gc.collect()
     pool.release(transfer.released.pop())
 
@@ -868,6 +874,38 @@ def test_slab_collate_stacks_straight_into_the_arena(
     for t in big:
         assert t.data_ptr() - first_slab.ptr in offsets, "an in-arena leaf was copied"
     assert_same(got, want)
+
+
+def test_a_first_batch_is_stacked_into_a_slab_made_for_it(
+    no_leaks: None, pool: _transport.WorkerSlabPool
+) -> None:
+    # Before the pool knows how big batches are: the slab is made for the first tensor the
+    # collate stacks, with room for the small leaves (labels here), so the batch is copied
+    # once, and that slab serves the batches after it.
+    per_sample = ARENA_MIN // 4 + 1
+    samples = [(torch.full((per_sample,), float(i)), i) for i in range(4)]
+    transfer = Transfer(pool)
+    assert pool.expected == 0
+    for _ in range(2):
+        collated, pending = transfer.collate_in_arena(samples)
+        arena = _transport.settled_arena(pending)
+        assert arena is not None and arena.holds(collated[0])
+        enc, got = transfer.send(collated, arena)
+        assert enc.slab is arena.slab and len(pool.slabs) == 1
+        assert enc.leaves[0][1] == collated[0].data_ptr() - arena.slab.ptr, "copied again"
+        assert_same(got, default_collate(samples))
+        del got, collated
+        gc.collect()
+        pool.release(transfer.released.pop())
+
+
+def test_a_first_batch_without_large_tensors_makes_no_slab_early(
+    no_leaks: None, pool: _transport.WorkerSlabPool
+) -> None:
+    samples = [torch.tensor([i, i + 1]) for i in range(8)]
+    collated, pending = Transfer(pool).collate_in_arena(samples)
+    assert _transport.settled_arena(pending) is None and not pool.slabs
+    assert torch.equal(collated, default_collate(samples))
 
 
 def test_too_small_arena_spills_into_a_bigger_slab(
@@ -1120,6 +1158,21 @@ def test_worker_falls_back_when_the_arena_cannot_get_a_slab(
     worker._run(Task(0, 0, [0, 1, 2, 3]))
     (message,) = worker.channel.sent
     assert isinstance(message.result, (PickledBatch, SlabBatch)), f"got {message.result!r}"
+
+
+def test_worker_falls_back_when_the_first_batch_cannot_get_a_slab(
+    no_leaks: None, pool: _transport.WorkerSlabPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A first batch's slab is made during the collate: without shared memory the collate
+    # stacks as usual and the batch arrives by value, not as a collate error.
+    samples = [arena_sample(i) for i in range(4)]
+    assert pool.expected == 0
+    monkeypatch.setattr(_transport, "_create_memfd", _enospc)
+    worker = _fake_worker(pool, samples)
+    worker._run(Task(0, 0, [0, 1, 2, 3]))
+    (message,) = worker.channel.sent
+    assert isinstance(message.result, PickledBatch), f"got {message.result!r}"
+    assert not pool.slabs
 
 
 def _collate_and_report_sharing(batch: list[torch.Tensor]) -> dict[str, torch.Tensor]:
