@@ -585,8 +585,16 @@ class _ProcessWorker:
         """Take in what has arrived; False for a task of a pass the parent has already left."""
         if self.drained:
             # ``_next_message`` has just read the socket for this task, so what the parent
-            # sent before it is already in: another read would find nothing.
+            # sent before it is already in: another read would find nothing. But that read
+            # may have brought more than this task: ``_next_message`` stops at the first task,
+            # and the frames behind it (typically the FreeSlabs the parent sent a moment after
+            # this task, when the consumer dropped a batch) are absorbed here, before this task
+            # takes a slab. Left in the buffer, the freed slab went unseen and the worker made
+            # another: every worker grew a third slab in the first batches of every pass (9 MiB
+            # more resident memory per worker on the image workload).
             self.drained = False
+            while self.channel.has_frame():
+                self._absorb(self.channel.pop())
         else:
             self._drain()
         return task.generation >= self.step.generation
