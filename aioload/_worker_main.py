@@ -46,6 +46,7 @@ from ._async_detect import has_async_context, is_async_dataset
 from ._channel import ChannelClosed, WorkerChannel
 from ._datapipes import is_datapipe, reseed, shard_in_worker
 from ._fetch import Fetcher, PassPlan, SamplePolicy
+from ._heap import HeapPolicy
 from ._messages import (
     Failure,
     FreeSlabs,
@@ -512,8 +513,12 @@ class _ProcessWorker:
     Answers go out as batches complete; the parent reorders them.
     """
 
+    # How this process's malloc treats the samples freed after each batch (see _heap).
+    heap: HeapPolicy | None = None
+
     def __init__(self, config: WorkerConfig, channel: WorkerChannel) -> None:
         self.channel = channel
+        self.heap = HeapPolicy()
         self.slabs = _transport.WorkerSlabPool(config.max_idle_slabs)
         self.step = WorkerStep(config, self.slabs)
         self.pending: deque[Reset | Task] = deque()
@@ -632,6 +637,9 @@ class _ProcessWorker:
             forget = getattr(self.step.fetcher, "forget", None)
             if forget is not None:
                 forget()
+            if self.heap is not None:
+                # After the samples are freed: the thresholds follow the largest batch.
+                self.heap.batch_made(self.slabs.expected)
 
     def _encode(self, produced: Produced, fds: list[int]) -> SlabBatch | PickledBatch | Failure:
         arena = produced.arena
