@@ -15,9 +15,10 @@ A batch travels as a pickle whose array leaves (tensors, numpy arrays) are repla
 persistent ids pointing into the slab. Everything else in the batch is pickled as usual, so any
 structure that pickles still works; only its arrays go faster.
 
-Lifetime. In the parent, every batch gets its own *lease*: a fresh numpy array over the used part
-of the slab. All tensors and arrays of the batch are views of the lease, so the lease dies exactly
-when the consumer's last reference into the batch dies. A weakref finalizer on the lease then
+Lifetime. In the parent, every batch gets its own *lease*: a fresh ctypes array over the used part
+of the slab. All tensors and arrays of the batch are made from the lease (each tensor with a
+storage of its own bytes, as torch's loader gives), so the lease dies exactly when the
+consumer's last reference into the batch dies. A weakref finalizer on the lease then
 queues the slab for return to its worker. Until then the worker never writes to that slab, so a
 batch the user keeps is never overwritten; a worker that needs a slab and has none free makes a
 new one (the pool grows) rather than waiting.
@@ -650,45 +651,51 @@ class SlabMappings:
         descs: list[LeafDesc],
         on_release: Callable[[int], None],
     ) -> Any:
-        leaves: list[Any] = []
         if slab_id >= 0:
-            # The lease's owner is a ctypes array made for this batch over the used part of the
-            # slab. It must not be a numpy array: numpy collapses view chains to the first
-            # object that is not an array, so views of a numpy lease would skip it and the lease
-            # would die while they live. Every numpy view of ``lease`` keeps ``owner`` alive, and
-            # so does every tensor (through torch.from_numpy(lease)).
-            owner = (ctypes.c_ubyte * used).from_buffer(self.maps[slab_id])
-            lease = np.frombuffer(cast(Any, owner), dtype=np.uint8)
-            # When the last view of this batch dies, the slab goes back to its worker.
-            weakref.finalize(owner, on_release, slab_id)
-            del owner
-            lease_t: torch.Tensor | None = None
-            for kind, offset, dtype, shape, strides in descs:
-                if kind == "t":
-                    if lease_t is None:
-                        lease_t = torch.from_numpy(lease)
-                    nbytes = _numel(shape) * dtype.itemsize
-                    flat = lease_t[offset : offset + nbytes].view(dtype)
-                    leaves.append(
-                        flat.as_strided(shape, strides) if strides is not None else flat.view(shape)
-                    )
-                else:
-                    nbytes = _numel(shape) * dtype.itemsize
-                    flat_np = lease[offset : offset + nbytes].view(dtype)
-                    leaves.append(
-                        np.lib.stride_tricks.as_strided(flat_np, shape, strides)
-                        if strides is not None
-                        else flat_np.reshape(shape)
-                    )
-            del lease, lease_t
+            # The lease is a ctypes array made for this batch over the used part of the slab,
+            # and every leaf is made straight from it (torch.frombuffer, np.frombuffer), so
+            # each holds the lease alive, and so does every view of a leaf: a tensor through
+            # its storage's buffer export, a numpy array through its base (numpy collapses
+            # view chains to the first object that is not an array, which is the lease). When
+            # the last of them dies, the lease's finalizer sends the slab back to its worker.
+            # Each tensor has a storage of its own bytes, as a batch from torch's loader has
+            # (``torch.save`` of one leaf writes that leaf, not the batch), and no numpy or
+            # torch array stands in between: fewer objects on the path the parent pays for
+            # every batch.
+            lease = (ctypes.c_ubyte * used).from_buffer(self.maps[slab_id])
+            weakref.finalize(lease, on_release, slab_id)
+            leaves = [_leaf_view(lease, desc) for desc in descs]
+            del lease
         else:
             # Every array leaf is empty: nothing was put in a slab.
-            for kind, _offset, dtype, shape, _strides in descs:
-                if kind == "t":
-                    leaves.append(torch.empty(shape, dtype=dtype))
-                else:
-                    leaves.append(np.empty(shape, dtype=dtype))
+            leaves = [_empty_leaf(desc) for desc in descs]
+        if payload == _LONE_LEAF_PAYLOAD:
+            # The batch is its one tensor (what default_collate makes of tensor samples).
+            return leaves[0]
         return _LeafLoader(io.BytesIO(payload), leaves).load()
+
+
+def _leaf_view(lease: ctypes.Array[ctypes.c_ubyte], desc: LeafDesc) -> Any:
+    """One array leaf of a batch: a view of ``lease`` (an empty leaf needs no memory)."""
+    kind, offset, dtype, shape, strides = desc
+    count = _numel(shape)
+    if count == 0:
+        return _empty_leaf(desc)
+    if kind == "t":
+        flat = torch.frombuffer(lease, dtype=dtype, count=count, offset=offset)
+        if strides is not None:
+            return flat.as_strided(shape, strides)
+        # (A 1-d leaf is already in shape; a view costs more than the frombuffer.)
+        return flat if len(shape) == 1 else flat.view(shape)
+    flat_np = np.frombuffer(cast(Any, lease), dtype=dtype, count=count, offset=offset)
+    if strides is not None:
+        return np.lib.stride_tricks.as_strided(flat_np, shape, strides)
+    return flat_np.reshape(shape)
+
+
+def _empty_leaf(desc: LeafDesc) -> Any:
+    kind, _offset, dtype, shape, _strides = desc
+    return torch.empty(shape, dtype=dtype) if kind == "t" else np.empty(shape, dtype=dtype)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
