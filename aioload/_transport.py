@@ -253,11 +253,14 @@ class WorkerSlabPool:
         self._next_id = 0
 
     def acquire(self, min_bytes: int) -> _Slab:
-        """The smallest free slab that holds ``min_bytes``, or a new one."""
+        """The smallest free slab that holds ``min_bytes``, or a new one. Among slabs of one
+        size, the one freed last: it is the likeliest to be still in the cache, and the
+        others stay idle (a worker's batches are usually all one size, and with frees that
+        arrive in bursts, taking the oldest would cycle through every slab)."""
         best: int | None = None
         for pos, slab_id in enumerate(self.free):
             cap = self.slabs[slab_id].capacity
-            if cap >= min_bytes and (best is None or cap < self.slabs[self.free[best]].capacity):
+            if cap >= min_bytes and (best is None or cap <= self.slabs[self.free[best]].capacity):
                 best = pos
         if best is not None:
             return self.slabs[self.free.pop(best)]

@@ -59,6 +59,14 @@ SHUTDOWN_GRACE_S = 0.5
 # Upper bound of one wait on the selector, so that a failure no descriptor reports (in practice,
 # none is known) is still noticed.
 _HEALTH_CHECK_S = 1.0
+# A freed slab at least this large goes back to its worker at once (before the parent next
+# waits); a smaller one rides along with that worker's next task. The large ones matter: a
+# worker that starts a batch before hearing that a slab is free makes another, and for a large
+# batch that is megabytes more resident memory and a working set that outgrows the cache. For
+# a small one it is a few pages, and returning it at once cost a send (a system call and a
+# pickle) of its own on every batch: with two workers, the batch the consumer just dropped
+# and the task that refills the window go to different workers.
+_EAGER_FREE_BYTES = 1 << 20
 
 # Parent ends of every pool's sockets, and every pool, in this process.
 _parent_fds: weakref.WeakSet[ParentChannel] = weakref.WeakSet()
@@ -182,8 +190,17 @@ class _WorkerHandle:
         self.mappings = SlabMappings()
         self.exited = False
         self.release: Callable[[int], None] = _no_release
+        # Small freed slabs waiting to ride along with this worker's next task (see
+        # _EAGER_FREE_BYTES).
+        self.deferred_frees: list[int] = []
         # Whether the selector watches its socket for writability (see WorkerPool._pump_out).
         self.watching_write = False
+
+    def queue_deferred_frees(self) -> None:
+        """Put the small freed slabs in the outbox, ahead of what is queued next."""
+        if self.deferred_frees:
+            self.channel.queue(FreeSlabs(self.deferred_frees))
+            self.deferred_frees = []
 
 
 def _no_release(slab_id: int) -> None:
@@ -319,6 +336,7 @@ class WorkerPool:
             self.generation += 1
         self.passes += 1
         for worker in self.workers:
+            worker.queue_deferred_frees()
             worker.channel.queue(Reset(self.generation, self.plans[worker.worker_id]))
         self._flush()
 
@@ -327,20 +345,28 @@ class WorkerPool:
         # the prefetch window as it hands a batch over, and the task must reach its worker
         # while the consumer works on that batch, not at the consumer's next request.
         worker = self.workers[worker_id]
+        self._queue_frees()
+        worker.queue_deferred_frees()
         worker.channel.queue(Task(task_id, self.generation, indices))
         self._flush()
 
     def _queue_frees(self) -> None:
-        """Put the slabs the consumer has let go of in their workers' outboxes (unsent)."""
+        """Put the large slabs the consumer has let go of in their workers' outboxes (unsent),
+        and set the small ones aside for each worker's next task (_EAGER_FREE_BYTES)."""
         if not self.releases:
             return
         freed: dict[_WorkerHandle, list[int]] = {}
         while self.releases:
             worker, slab_id = self.releases.popleft()
-            freed.setdefault(worker, []).append(slab_id)
+            if worker.exited or worker.channel.closed:
+                continue
+            mapping = worker.mappings.maps.get(slab_id)
+            if mapping is not None and len(mapping) >= _EAGER_FREE_BYTES:
+                freed.setdefault(worker, []).append(slab_id)
+            else:
+                worker.deferred_frees.append(slab_id)
         for worker, slab_ids in freed.items():
-            if not worker.exited and not worker.channel.closed:
-                worker.channel.queue(FreeSlabs(slab_ids))
+            worker.channel.queue(FreeSlabs(slab_ids))
 
     def _flush(self) -> None:
         """Return freed slabs to their workers and write what fits of every outbox."""
@@ -372,14 +398,15 @@ class WorkerPool:
     def poll(self) -> list[Event]:
         """Everything that has arrived, without waiting.
 
-        Freed slabs are only queued here, not sent: in the steady state the orchestrator
-        hands a batch over right after this and refills the window with a ``submit``, which
-        sends them together with the task, in one write (with two workers, the batch the
-        consumer just dropped and the refill go to the same worker). Whatever no ``submit``
-        takes along goes out before any wait (``_before_wait``) or with the next pass's
-        ``start_pass``. Only a step that hands a batch over and sends nothing leaves them
-        queued until then: at the end of the sampler, or for a worker whose IterableDataset
-        stream has ended; neither worker has a task that needs the slab."""
+        Freed slabs are only queued here, not sent. A small one waits for its worker's next
+        task (``submit`` sends both in one write) or the next pass's ``start_pass``: a worker
+        with no task needs no slab. A large one goes out with the next write to its worker:
+        the ``submit`` that refills the window right after this if the refill is for that
+        worker, else the flush before the next wait (``_before_wait``), so that the worker
+        has it back before it starts its next batch. Only a step that hands a batch over and
+        sends nothing leaves a large one queued until then: at the end of the sampler, or for
+        a worker whose IterableDataset stream has ended; neither worker has a task that needs
+        the slab."""
         self._queue_frees()
         events: list[Event] = []
         if self._lost:

@@ -810,6 +810,19 @@ def test_acquire_takes_the_smallest_free_slab_that_fits(
     assert fresh not in slabs and fresh.capacity == _transport._MIN_SLAB
 
 
+def test_acquire_takes_the_slab_freed_last_among_one_size(
+    no_leaks: None, pool: _transport.WorkerSlabPool
+) -> None:
+    """The warmest slab: the one freed last. The others stay idle instead of taking turns."""
+    slabs = [pool.acquire(_transport._MIN_SLAB) for _ in range(3)]
+    for s in (slabs[1], slabs[0], slabs[2]):
+        pool.release(s.id)
+    assert pool.acquire(1) is slabs[2]
+    pool.release(slabs[2].id)
+    assert pool.acquire(1) is slabs[2]
+    assert pool.acquire(1) is slabs[0]
+
+
 def test_idle_slabs_beyond_the_limit_are_retired(
     no_leaks: None, pool: _transport.WorkerSlabPool, mapped: Callable[[], int]
 ) -> None:
