@@ -155,8 +155,19 @@ def _round_up(n: int, to: int) -> int:
 # --------------------------------------------------------------------------------------------
 
 
+# How many tensors share a storage (torch's own count, private API); None where this torch has
+# no such function, and then no slab is ever thought referenced (see _Slab.referenced).
+_storage_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _views_of(tensor: torch.Tensor) -> int:
+    if _storage_use_count is None:
+        return 0
+    return _storage_use_count(tensor.untyped_storage()._cdata)
+
+
 class _Slab:
-    __slots__ = ("capacity", "fd", "id", "ptr", "tensor")
+    __slots__ = ("capacity", "fd", "id", "own_views", "ptr", "tensor")
 
     def __init__(self, slab_id: int, capacity: int) -> None:
         self.id = slab_id
@@ -169,6 +180,13 @@ class _Slab:
             raise
         self.tensor = torch.frombuffer(buf, dtype=torch.uint8)
         self.ptr = self.tensor.data_ptr()
+        self.own_views = _views_of(self.tensor)
+
+    def referenced(self) -> bool:
+        """Whether a tensor in this process still views the slab: a batch's stacked tensors
+        are views of it, and a user's collate_fn may keep one (a cache of the last good
+        batch, say) after the batch was sent. Such a slab must never be written again."""
+        return _views_of(self.tensor) > self.own_views
 
     def take_fd(self) -> int | None:
         """The descriptor, once: it is sent to the parent with the first batch."""
@@ -257,13 +275,22 @@ class WorkerSlabPool:
         size, the one freed last: it is the likeliest to be still in the cache, and the
         others stay idle (a worker's batches are usually all one size, and with frees that
         arrive in bursts, taking the oldest would cycle through every slab)."""
-        best: int | None = None
-        for pos, slab_id in enumerate(self.free):
-            cap = self.slabs[slab_id].capacity
-            if cap >= min_bytes and (best is None or cap <= self.slabs[self.free[best]].capacity):
-                best = pos
-        if best is not None:
-            return self.slabs[self.free.pop(best)]
+        while True:
+            best: int | None = None
+            for pos, slab_id in enumerate(self.free):
+                cap = self.slabs[slab_id].capacity
+                if cap >= min_bytes and (
+                    best is None or cap <= self.slabs[self.free[best]].capacity
+                ):
+                    best = pos
+            if best is None:
+                break
+            slab = self.slabs[self.free.pop(best)]
+            if not slab.referenced():
+                return slab
+            # Still viewed in this worker: retired, not reused. The parent is told (it unmaps
+            # its side once its batches are gone); our mapping lives as long as the views do.
+            self._destroy(slab.id)
         if len(self.free) >= self.max_idle:
             # Every free slab is too small for today's batches: retire the smallest.
             self.free.sort(key=lambda i: self.slabs[i].capacity)
@@ -380,8 +407,8 @@ def stack_tensors_privately() -> None:
 
     A custom ``collate_fn`` that calls ``default_collate`` gets its tensors from
     ``default_collate_fn_map``, which this points at aioload's collate (the dict is looked up
-    at each call). Run only in processes that are aioload's workers: the parent's map is the
-    user's."""
+    at each call), so they too are stacked straight into the batch's slab. Run only in
+    processes that are aioload's workers: the parent's map is the user's."""
     default_collate_fn_map[torch.Tensor] = _collate_tensor_into_slab
 
 

@@ -490,7 +490,12 @@ class WorkerStep:
         return Produced(data, stream, arena)
 
     def _arena(self) -> Any:
-        if self.slabs is None or not self.config.slab_collate:
+        # Every collate gets one, the user's own too: the default_collate it may call stacks
+        # tensors straight into it (_transport.stack_tensors_privately), so they are copied
+        # once, not stacked privately and copied again. A collate_fn that keeps such a tensor
+        # after the batch is sent keeps its slab too: a slab still viewed here is never
+        # reused (_Slab.referenced).
+        if self.slabs is None:
             return None
         try:
             return self.slabs.arena()

@@ -823,6 +823,26 @@ def test_acquire_takes_the_slab_freed_last_among_one_size(
     assert pool.acquire(1) is slabs[0]
 
 
+def test_a_slab_still_viewed_in_the_worker_is_retired_not_reused(
+    no_leaks: None, pool: _transport.WorkerSlabPool
+) -> None:
+    """A collate_fn of the user's own may keep a tensor default_collate stacked into the slab
+    (or a view of it) after the batch went out: that slab must never be written again."""
+    slab = pool.acquire(_transport._MIN_SLAB)
+    kept = _transport._Arena(slab).view(0, 64, torch.int32)[2:5]  # a view of a view
+    pool.release(slab.id)
+    again = pool.acquire(_transport._MIN_SLAB)
+    assert again is not slab and slab.id not in pool.slabs
+    assert pool.take_dropped() == [slab.id]  # the parent is told to let go of it too
+    kept.fill_(7)  # still mapped, and still ours
+    assert bool((kept == 7).all())
+    # Nothing views the new one once its batch is gone: it is reused.
+    batch_view = _transport._Arena(again).view(0, 64, torch.int32)
+    del batch_view
+    pool.release(again.id)
+    assert pool.acquire(_transport._MIN_SLAB) is again
+
+
 def test_idle_slabs_beyond_the_limit_are_retired(
     no_leaks: None, pool: _transport.WorkerSlabPool, mapped: Callable[[], int]
 ) -> None:

@@ -182,3 +182,79 @@ def test_small_freed_slabs_ride_along_with_the_next_task(
     # One write per task, plus each worker's pass announcement and a few frees that find no
     # task to ride with; two per batch before.
     assert writes <= n_batches + 10, writes
+
+
+class _Images(Dataset[torch.Tensor]):
+    """Sample i is a 64 KiB tensor full of i: big enough to be stacked into the slab."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.full((16, 1024), index, dtype=torch.int32)
+
+
+class _KeepFirstBatch:
+    """A collate_fn of the user's own that calls default_collate and keeps the first batch it
+    made (or a view of it), answering every fourth batch with it: the "fall back to the last
+    good batch" pattern. What it keeps must never be overwritten by a later batch."""
+
+    def __init__(self, keep_view: bool) -> None:
+        self.keep_view = keep_view
+        self.first: torch.Tensor | None = None
+        self.calls = 0
+
+    def __call__(self, samples: list[torch.Tensor]) -> torch.Tensor:
+        from torch.utils.data import default_collate
+
+        batch = default_collate(samples)
+        self.calls += 1
+        if self.first is None:
+            self.first = batch[:1] if self.keep_view else batch
+        elif self.calls % 4 == 0:
+            return self.first
+        return batch
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("keep_view", [False, True], ids=["batch", "view"])
+def test_a_batch_a_collate_fn_keeps_is_never_overwritten(no_leaks: None, keep_view: bool) -> None:
+    loader = aioload.DataLoader(
+        _Images(), batch_size=2, num_workers=1, collate_fn=_KeepFirstBatch(keep_view)
+    )
+    first_rows = 1 if keep_view else 2
+    for epoch in range(2):
+        got = [batch.clone() for batch in loader]
+        assert len(got) == 32
+        for k, batch in enumerate(got):
+            if (k + 1) % 4 == 0 and k > 0:
+                # The kept first batch of this pass's worker: samples 0 (and 1).
+                want = torch.stack(
+                    [torch.full((16, 1024), i, dtype=torch.int32) for i in range(first_rows)]
+                )
+            else:
+                want = torch.stack(
+                    [torch.full((16, 1024), i, dtype=torch.int32) for i in (2 * k, 2 * k + 1)]
+                )
+            assert torch.equal(batch, want), (epoch, k)
+
+
+def _default_collate_of_own(samples: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    from torch.utils.data import default_collate
+
+    return {"img": default_collate(samples), "n": torch.tensor(len(samples))}
+
+
+@pytest.mark.timeout(60)
+def test_a_collate_fn_of_ones_own_stacks_into_the_slab(no_leaks: None) -> None:
+    """default_collate inside a collate_fn of the user's own stacks into the batch's slab:
+    the batch arrives whole, and each worker's slabs stay the size of one batch (a private
+    stack copied into the slab would not change that; its cost is in make bench)."""
+    loader = aioload.DataLoader(
+        _Images(), batch_size=4, num_workers=2, collate_fn=_default_collate_of_own
+    )
+    for k, batch in enumerate(loader):
+        want = torch.stack(
+            [torch.full((16, 1024), i, dtype=torch.int32) for i in range(4 * k, 4 * k + 4)]
+        )
+        assert torch.equal(batch["img"], want) and int(batch["n"]) == 4
