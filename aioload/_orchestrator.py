@@ -202,25 +202,33 @@ class Orchestrator:
             raise self._fatal
         return self._finished or self._closed
 
-    def step(self) -> Any:
+    def step(self, intake: bool = True) -> Any:
         """Everything that can be done without waiting: send tasks, take in answers, and
         return the next batch if it is already here, END if the pass is over, or PENDING.
 
         ``next`` is this plus waiting. The sync front end calls it first, and enters its event
         loop only when it really has to wait: with workers prefetching, most batches are
         already here.
+
+        ``intake=False`` takes in nothing new from the backend (no ``poll``): the first step
+        of a ``next`` looks only at what is already here, since a wait that follows it would
+        see an answer waiting in a socket at once anyway. That saves the data-bound consumer
+        one ``select`` per batch: it waits for nearly every batch, and a ``select(0)`` before
+        each wait found nothing. (With a pin stage, whose own thread hands batches back, every
+        step takes in.)
         """
         if self._over():
             return END
         if self._backend is _NOT_STARTED:
             return PENDING
         self._dispatch()
-        for event in self._backend.poll():
-            if isinstance(event, Answer):
-                self._accept(event)
-            else:
-                self._lost(event)
         stage = self._stage
+        if intake or stage is not None:
+            for event in self._backend.poll():
+                if isinstance(event, Answer):
+                    self._accept(event)
+                else:
+                    self._lost(event)
         if stage is None:
             ready = self._pop_ready()
             if ready is not None:
@@ -278,10 +286,12 @@ class Orchestrator:
             if self._closed:
                 return END
         deadline = self._deadline()
+        intake = False  # see step(): the first look takes in nothing new
         while True:
-            result, deadline = self._step_before(deadline)
+            result, deadline = self._step_before(deadline, intake)
             if result is not PENDING:
                 return result
+            intake = True
             self._busy = True
             try:
                 await self._backend.wait(deadline, self._wake_fd())
@@ -309,10 +319,12 @@ class Orchestrator:
             if self._closed:
                 return END
         deadline = self._deadline()
+        intake = False  # see step(): the first look takes in nothing new
         while True:
-            result, deadline = self._step_before(deadline)
+            result, deadline = self._step_before(deadline, intake)
             if result is not PENDING:
                 return result
+            intake = True
             self._busy = True
             try:
                 if not self._backend.wait_blocking(deadline, self._wake_fd()):
@@ -326,15 +338,19 @@ class Orchestrator:
     def _wake_fd(self) -> int | None:
         return self._stage.wake_r if self._stage is not None else None
 
-    def _step_before(self, deadline: float) -> tuple[Any, float]:
-        """``step()``, handling a passed ``deadline`` (``timeout``): with healing on, the worker
-        holding the oldest task is stopped and the step runs again with a fresh deadline;
-        otherwise the timeout error is raised. Returns the step's result and the deadline the
-        next wait is bounded by."""
+    def _step_before(self, deadline: float, intake: bool = True) -> tuple[Any, float]:
+        """``step(intake)``, handling a passed ``deadline`` (``timeout``): with healing on, the
+        worker holding the oldest task is stopped and the step runs again with a fresh
+        deadline; otherwise the timeout error is raised. Returns the step's result and the
+        deadline the next wait is bounded by."""
         while True:
-            result = self.step()
+            result = self.step(intake)
             if result is not PENDING or time.monotonic() < deadline:
                 return result, deadline
+            if not intake:
+                # Nothing was taken in: an answer may be waiting. Look before blaming a worker.
+                intake = True
+                continue
             stuck = self._stuck_worker()
             if stuck is None or self._restarts_left <= 0:
                 # Stuck in a sample: this pass may go on, but no other runs on these workers.

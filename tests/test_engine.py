@@ -341,3 +341,24 @@ def test_closing_mid_pass_closes_the_backend_once() -> None:
     engine.close()
     assert backend.closed
     assert _next(engine) is END
+
+
+class _CountingBackend(FakeBackend):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.polls = 0
+
+    def poll(self) -> list[Event]:
+        self.polls += 1
+        return super().poll()
+
+
+def test_a_next_that_waits_polls_once_after_the_wait() -> None:
+    """A data-bound consumer waits for nearly every batch. The look before the wait takes in
+    nothing new (a waiting answer ends the wait at once anyway): one poll per batch, after
+    the wait, not one before it that finds nothing and one after."""
+    backend = _CountingBackend(2, delay=lambda task_id: 0.02)
+    engine = _engine(backend, [[i] for i in range(6)])
+    got = _drain(engine)
+    assert got == [[i] for i in range(6)]
+    assert backend.polls <= 6 + 2, backend.polls
