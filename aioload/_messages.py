@@ -63,6 +63,9 @@ class Task(NamedTuple):
     task_id: int
     generation: int
     indices: Any
+    # Slabs the consumer has let go of since this worker's last task, riding along (what
+    # FreeSlabs says, without a frame of its own): the worker may reuse them.
+    freed_slabs: tuple[int, ...] = ()
 
 
 class FreeSlabs(NamedTuple):

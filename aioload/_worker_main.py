@@ -589,6 +589,9 @@ class _ProcessWorker:
             return
         if isinstance(message, Reset):
             self.step.generation = max(self.step.generation, message.generation)
+        else:
+            for slab_id in message.freed_slabs:
+                self.slabs.release(slab_id)
         self.pending.append(message)
 
     def _current(self, task: Task) -> bool:

@@ -60,12 +60,12 @@ SHUTDOWN_GRACE_S = 0.5
 # none is known) is still noticed.
 _HEALTH_CHECK_S = 1.0
 # A freed slab at least this large goes back to its worker at once (before the parent next
-# waits); a smaller one rides along with that worker's next task. The large ones matter: a
-# worker that starts a batch before hearing that a slab is free makes another, and for a large
-# batch that is megabytes more resident memory and a working set that outgrows the cache. For
-# a small one it is a few pages, and returning it at once cost a send (a system call and a
-# pickle) of its own on every batch: with two workers, the batch the consumer just dropped
-# and the task that refills the window go to different workers.
+# waits); a smaller one rides along on that worker's next task (Task.freed_slabs). The large
+# ones matter: a worker that starts a batch before hearing that a slab is free makes another,
+# and for a large batch that is megabytes more resident memory and a working set that outgrows
+# the cache. For a small one it is a few pages, and returning it at once cost a send (a system
+# call and a pickled frame) of its own on every batch: with two workers, the batch the
+# consumer just dropped and the task that refills the window go to different workers.
 _EAGER_FREE_BYTES = 1 << 20
 
 # Parent ends of every pool's sockets, and every pool, in this process.
@@ -196,11 +196,10 @@ class _WorkerHandle:
         # Whether the selector watches its socket for writability (see WorkerPool._pump_out).
         self.watching_write = False
 
-    def queue_deferred_frees(self) -> None:
-        """Put the small freed slabs in the outbox, ahead of what is queued next."""
-        if self.deferred_frees:
-            self.channel.queue(FreeSlabs(self.deferred_frees))
-            self.deferred_frees = []
+    def take_deferred_frees(self) -> tuple[int, ...]:
+        freed = tuple(self.deferred_frees)
+        self.deferred_frees.clear()
+        return freed
 
 
 def _no_release(slab_id: int) -> None:
@@ -336,7 +335,8 @@ class WorkerPool:
             self.generation += 1
         self.passes += 1
         for worker in self.workers:
-            worker.queue_deferred_frees()
+            if worker.deferred_frees:
+                worker.channel.queue(FreeSlabs(list(worker.take_deferred_frees())))
             worker.channel.queue(Reset(self.generation, self.plans[worker.worker_id]))
         self._flush()
 
@@ -346,8 +346,8 @@ class WorkerPool:
         # while the consumer works on that batch, not at the consumer's next request.
         worker = self.workers[worker_id]
         self._queue_frees()
-        worker.queue_deferred_frees()
-        worker.channel.queue(Task(task_id, self.generation, indices))
+        freed = worker.take_deferred_frees() if worker.deferred_frees else ()
+        worker.channel.queue(Task(task_id, self.generation, indices, freed))
         self._flush()
 
     def _queue_frees(self) -> None:
@@ -399,7 +399,7 @@ class WorkerPool:
         """Everything that has arrived, without waiting.
 
         Freed slabs are only queued here, not sent. A small one waits for its worker's next
-        task (``submit`` sends both in one write) or the next pass's ``start_pass``: a worker
+        task (``submit`` sends it on the task) or the next pass's ``start_pass``: a worker
         with no task needs no slab. A large one goes out with the next write to its worker:
         the ``submit`` that refills the window right after this if the refill is for that
         worker, else the flush before the next wait (``_before_wait``), so that the worker

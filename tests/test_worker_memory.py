@@ -258,3 +258,25 @@ def test_a_collate_fn_of_ones_own_stacks_into_the_slab(no_leaks: None) -> None:
             [torch.full((16, 1024), i, dtype=torch.int32) for i in range(4 * k, 4 * k + 4)]
         )
         assert torch.equal(batch["img"], want) and int(batch["n"]) == 4
+
+
+def test_slabs_freed_on_a_task_are_free_for_it() -> None:
+    """Small freed slabs ride on the worker's next task (Task.freed_slabs)."""
+    pool = _transport.WorkerSlabPool(max_idle=3)
+    parent_sock, worker_sock = socket.socketpair()
+    try:
+        slab = pool.acquire(_transport._MIN_SLAB)
+        worker = _worker_over(worker_sock, pool)
+        parent = _channel.ParentChannel(parent_sock)
+        parent.queue(Task(3, 0, [4, 5], (slab.id,)))
+        parent.pump_out()
+        task = worker._next_message()
+        assert task.task_id == 3 and worker._current(task)
+        assert pool.acquire(_transport._MIN_SLAB) is slab
+    finally:
+        parent_sock.close()
+        worker_sock.close()
+        for kept in pool.slabs.values():
+            fd = kept.take_fd()
+            if fd is not None:
+                os.close(fd)
