@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sys
 import threading
 import weakref
@@ -27,10 +28,10 @@ from ._messages import Event
 
 __all__ = [
     "BackendKeeper",
+    "ReadableWait",
     "WorkerBackend",
     "run_off_loop",
     "running_asyncio_loop",
-    "wait_readable",
 ]
 
 T = TypeVar("T")
@@ -143,38 +144,118 @@ def running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
-async def wait_readable(fd: int, timeout: float) -> bool:
-    """Wait until ``fd`` is readable (True) or ``timeout`` seconds pass (False): the one await
-    of a backend's ``wait``. Cancellable like any await.
+# How many calls of ReadableWait's reader in a row may find nobody waiting before it stops
+# watching (see ReadableWait._readable).
+_UNHEARD_LIMIT = 8
 
-    Under asyncio (and uvloop) this is a future, a reader and a timer on the running loop.
-    anyio's ``move_on_after`` + ``wait_readable`` do the same through a cancel scope, which
-    costs several times as much, on every wait; the async front end waits for most batches
-    when the workers are the bottleneck. Cancellation needs no scope here: a cancelled task
-    is interrupted at ``await waiter``, and the ``finally`` removes the reader and the timer.
-    Under trio, anyio's (trio's own) primitives do it.
+
+class ReadableWait:
+    """Waits, wait after wait, until one descriptor (a backend's selector) is readable or a
+    timeout passes: the one await of a backend's ``wait``. Cancellable like any await.
+
+    Under asyncio (and uvloop) a wait is a future, a reader and a timer on the running loop.
+    The reader stays registered from one wait to the next: adding and removing it every time
+    cost two ``epoll_ctl`` calls per wait, and the async front end of a data-bound consumer
+    waits for nearly every batch (about 14 us of the parent's CPU per batch on the tiny
+    workload). It is removed when it keeps firing with nobody waiting (readiness is
+    level-triggered, so it would run on every turn of the loop while the consumer awaits
+    something else; the next wait adds it again), when a wait runs on another loop, and by
+    ``close``.
+
+    The loop watches a duplicate of the descriptor, owned here. The backend closes its own
+    descriptor when a pass ends, often in a worker thread (``aclose``) or a finalizer, where
+    the loop's registration cannot be touched; the duplicate keeps the number from being
+    reused under the loop until the loop's own thread removes the reader and closes it.
+
+    Cancellation needs no scope: a cancelled task is interrupted at ``await waiter``, and the
+    ``finally`` cancels the timer. Under trio, anyio's (trio's own) primitives do the wait.
     """
-    loop = running_asyncio_loop()
-    if loop is None:
-        import anyio
 
-        with anyio.move_on_after(timeout):
-            await anyio.wait_readable(fd)
-            return True
-        return False
-    waiter: asyncio.Future[bool] = loop.create_future()
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._watched: int | None = None  # the duplicate registered with ``_loop``
+        self._waiter: asyncio.Future[bool] | None = None
+        # Calls of the reader in a row that found nobody waiting (see _readable).
+        self._unheard = 0
 
-    def settle(readable: bool) -> None:
-        if not waiter.done():
-            waiter.set_result(readable)
+    async def wait(self, timeout: float) -> bool:
+        """True once the descriptor is readable, False after ``timeout`` seconds."""
+        loop = running_asyncio_loop()
+        if loop is None:
+            import anyio
 
-    loop.add_reader(fd, settle, True)
-    timer = loop.call_later(timeout, settle, False)
-    try:
-        return await waiter
-    finally:
-        timer.cancel()
-        loop.remove_reader(fd)
+            with anyio.move_on_after(timeout):
+                await anyio.wait_readable(self.fd)
+                return True
+            return False
+        if self._loop is not loop:
+            self.close()
+            watched = os.dup(self.fd)
+            try:
+                loop.add_reader(watched, self._readable)
+            except BaseException:
+                os.close(watched)
+                raise
+            self._loop, self._watched = loop, watched
+        waiter: asyncio.Future[bool] = loop.create_future()
+        self._waiter = waiter
+        self._unheard = 0
+        timer = loop.call_later(timeout, _settle, waiter, False)
+        try:
+            return await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+    def _readable(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            # (Done already: fired again before the woken task ran. Nothing to do.)
+            self._unheard = 0
+            _settle(waiter, True)
+            return
+        # Nobody waits. A few such calls are the normal course of a pass: one queued before
+        # the last wait ended (the loop runs it after the woken task), one or two while the
+        # consumer's next ``__anext__`` passes its checkpoint with an answer already in. Many
+        # in a row mean the consumer is awaiting something else while answers wait, and this
+        # would run on every turn of the loop: stop watching until the next wait.
+        self._unheard += 1
+        if self._unheard > _UNHEARD_LIMIT:
+            self.close()
+
+    def close(self) -> None:
+        """Stop watching. From any thread: the loop's own thread removes the reader."""
+        loop, watched = self._loop, self._watched
+        self._loop = self._watched = None
+        if loop is None or watched is None:
+            return
+        if running_asyncio_loop() is loop or not loop.is_running():
+            # On the loop's thread, or no thread is inside the loop: safe to touch it here.
+            _stop_watching(loop, watched)
+            return
+        try:
+            loop.call_soon_threadsafe(_stop_watching, loop, watched)
+        except RuntimeError:  # closed meanwhile: its registrations went with it
+            os.close(watched)
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: drop the duplicate without touching the parent's loop."""
+        watched, self._watched, self._loop = self._watched, None, None
+        if watched is not None:
+            with contextlib.suppress(OSError):
+                os.close(watched)
+
+
+def _settle(waiter: asyncio.Future[bool], readable: bool) -> None:
+    if not waiter.done():
+        waiter.set_result(readable)
+
+
+def _stop_watching(loop: asyncio.AbstractEventLoop, watched: int) -> None:
+    with contextlib.suppress(Exception):  # a closed loop has let go of it already
+        loop.remove_reader(watched)
+    os.close(watched)
 
 
 async def run_off_loop(fn: Callable[[], T]) -> T:

@@ -40,7 +40,7 @@ def warm(num_workers: int) -> None:
 def warm_async() -> None:
     """Import what ``async for`` needs on the running loop; called by ``__aiter__``. Under
     asyncio (and uvloop), nothing: the engine waits, checkpoints and starts its workers with
-    asyncio's own primitives there (``_backend.wait_readable``, ``run_off_loop``). Under trio,
+    asyncio's own primitives there (``_backend.ReadableWait``, ``run_off_loop``). Under trio,
     anyio and its trio backend, through which the engine does the same."""
     try:
         asyncio.get_running_loop()

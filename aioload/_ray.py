@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _transport
-from ._backend import wait_readable
+from ._backend import ReadableWait
 from ._fetch import PassPlan
 from ._messages import (
     Answer,
@@ -307,6 +307,7 @@ class RayBackend:
         os.set_blocking(self._wake_w, False)
         self.selector = selectors.DefaultSelector()
         self.selector.register(self._wake_r, selectors.EVENT_READ, "ray")
+        self._readable = ReadableWait(self.selector.fileno())
         self._wake_fd: int | None = None
         self._stop = threading.Event()
         self._submitted = threading.Event()
@@ -448,7 +449,7 @@ class RayBackend:
         budget = self._before_wait(deadline, wake_fd)
         if budget <= 0:
             return
-        await wait_readable(self.selector.fileno(), budget)
+        await self._readable.wait(budget)
 
     def wait_blocking(self, deadline: float, wake_fd: int | None = None) -> bool:
         budget = self._before_wait(deadline, wake_fd)
@@ -536,6 +537,7 @@ class RayBackend:
         with self._lock:
             self._pending.clear()
         self._ready.clear()
+        self._readable.close()  # the loop lets go of the selector before we close it
         with contextlib.suppress(Exception):
             self.selector.close()
         for fd in (self._wake_r, self._wake_w):

@@ -2,7 +2,7 @@
 
 Everything the orchestrator waits on goes through one selector (epoll on Linux): each worker's
 socket and each worker's process sentinel, which becomes readable when the process exits. The
-selector's own descriptor is what the event loop waits on (``_backend.wait_readable``), so
+selector's own descriptor is what the event loop waits on (``_backend.ReadableWait``), so
 one await covers every worker under asyncio, uvloop and trio alike, and nothing runs detached:
 between two awaits of the consumer, no aioload code runs at all. The sync front end blocks on
 the same selector directly (``wait_blocking``), with no event loop.
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._backend import wait_readable
+from ._backend import ReadableWait
 from ._channel import ChannelClosed, ParentChannel
 from ._fetch import PassPlan, SamplePolicy
 from ._messages import (
@@ -90,6 +90,7 @@ def _disown_after_fork() -> None:
     for pool in list(_pools):
         pool.closed = True
         pool.retired = True
+        pool._readable.forget_after_fork()
         with contextlib.suppress(Exception):
             pool.selector.close()
 
@@ -241,6 +242,8 @@ class WorkerPool:
         # atomic, and the queue is drained only on the orchestrator's side.
         self.releases: deque[tuple[_WorkerHandle, int]] = deque()
         self.selector = selectors.DefaultSelector()
+        # The async front end's wait on the selector (its reader kept from wait to wait).
+        self._readable = ReadableWait(self.selector.fileno())
         self._wake_fd: int | None = None
         # This pass's plan for each worker (a replacement gets its slot's plan again).
         self.plans: list[PassPlan] = [PassPlan()] * self.num_workers
@@ -531,7 +534,7 @@ class WorkerPool:
         stage's pipe) became readable, or ``deadline`` (in ``time.monotonic()`` seconds;
         ``math.inf`` for none) passes."""
         budget = self._before_wait(deadline, wake_fd)
-        if budget > 0 and not await wait_readable(self.selector.fileno(), budget):
+        if budget > 0 and not await self._readable.wait(budget):
             # Nothing woke us: only then is a health check worth its syscalls, since every
             # worker's death already wakes us through its sentinel.
             self._check_health()
@@ -619,6 +622,8 @@ class WorkerPool:
         # 4. Unmapping our side happens as leases die: a batch the user still holds stays valid.
         for worker in self.workers:
             worker.mappings.clear()
+        # The loop lets go of the selector (from its own thread) before we close it.
+        self._readable.close()
         with contextlib.suppress(Exception):
             self.selector.close()
         self.releases.clear()
