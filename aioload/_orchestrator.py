@@ -26,7 +26,6 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, NamedTuple, NoReturn
 
 from ._backend import WorkerBackend, run_off_loop, running_asyncio_loop
@@ -58,8 +57,7 @@ END: Any = _End()
 PENDING: Any = object()
 
 
-@dataclass(frozen=True)
-class PassSetup:
+class PassSetup(NamedTuple):
     """Everything one pass needs to know, decided once when the pass is made (see
     ``DataLoader._pass_setup``)."""
 

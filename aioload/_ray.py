@@ -78,8 +78,7 @@ class _ActorImpl:
         _transport.stack_tensors_privately()
         # ``payload`` is the object-store copy of (dataset, collate_fn, worker_init_fn): Ray
         # resolved the ObjectRef argument to its value before calling us.
-        config.payload = payload
-        self.step = WorkerStep(config, slabs=None)
+        self.step = WorkerStep(config._replace(payload=payload), slabs=None)
 
     def where(self) -> tuple[int, str, str]:
         import ray

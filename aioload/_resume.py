@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -72,14 +71,39 @@ class YieldedPositions:
         return YieldedPositions(self.prefix, self.extra)
 
 
-@dataclass
 class StreamPoint:
     """Where one worker's IterableDataset stream stood after its last yielded batch."""
 
-    samples_seen: int = 0
-    has_state: bool = False
-    state: Any = None
-    ended: bool = False
+    # (A plain class, not a dataclass: see _fetch.SamplePolicy on what they cost to define.)
+    __slots__ = ("ended", "has_state", "samples_seen", "state")
+
+    def __init__(
+        self,
+        samples_seen: int = 0,
+        has_state: bool = False,
+        state: Any = None,
+        ended: bool = False,
+    ) -> None:
+        self.samples_seen = samples_seen
+        self.has_state = has_state
+        self.state = state
+        self.ended = ended
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not StreamPoint:
+            return NotImplemented
+        return self.as_dict() == other.as_dict()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def __repr__(self) -> str:
+        return (
+            f"StreamPoint(samples_seen={self.samples_seen!r}, has_state={self.has_state!r}, "
+            f"state={self.state!r}, ended={self.ended!r})"
+        )
+
+    def copy(self) -> StreamPoint:
+        return StreamPoint(self.samples_seen, self.has_state, self.state, self.ended)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -99,32 +123,63 @@ class StreamPoint:
         )
 
 
-@dataclass
 class PassProgress:
     """One pass as a checkpoint sees it. The orchestrator updates it as batches are yielded;
     the loader holds it (not the orchestrator, which may be gone) for ``state_dict()``."""
 
-    epoch: int
-    # RNG states taken just before the pass drew its sampler order and base seed.
-    rng: dict[str, Any]
-    sample_seed: int | None
-    iterable: bool
-    num_streams: int
-    # Whether the pass drew a base seed from those RNGs (it does not when it reuses a
-    # persistent pool): a replay must draw exactly as the original did.
-    drew_base_seed: bool = True
-    yielded: YieldedPositions = field(default_factory=YieldedPositions)
-    streams: list[StreamPoint] = field(default_factory=list)
-    # IterableDataset, in order: the worker the next batch was (or will be) asked of.
-    next_worker: int = 0
-    finished: bool = False
-    # Samples skipped (on_sample_error) in delivered batches: a resumed pass carries them on,
-    # and its count and its max_skipped cap continue from them.
-    skipped: list[SkippedSample] = field(default_factory=list)
+    # (A plain class, not a dataclass: see _fetch.SamplePolicy on what they cost to define.)
+    __slots__ = (
+        "drew_base_seed",
+        "epoch",
+        "finished",
+        "iterable",
+        "next_worker",
+        "num_streams",
+        "rng",
+        "sample_seed",
+        "skipped",
+        "streams",
+        "yielded",
+    )
 
-    def __post_init__(self) -> None:
-        if not self.streams:
-            self.streams = [StreamPoint() for _ in range(self.num_streams)]
+    def __init__(
+        self,
+        epoch: int,
+        # RNG states taken just before the pass drew its sampler order and base seed.
+        rng: dict[str, Any],
+        sample_seed: int | None,
+        iterable: bool,
+        num_streams: int,
+        # Whether the pass drew a base seed from those RNGs (it does not when it reuses a
+        # persistent pool): a replay must draw exactly as the original did.
+        drew_base_seed: bool = True,
+        yielded: YieldedPositions | None = None,
+        streams: list[StreamPoint] | None = None,
+        # IterableDataset, in order: the worker the next batch was (or will be) asked of.
+        next_worker: int = 0,
+        finished: bool = False,
+        # Samples skipped (on_sample_error) in delivered batches: a resumed pass carries them
+        # on, and its count and its max_skipped cap continue from them.
+        skipped: list[SkippedSample] | None = None,
+    ) -> None:
+        self.epoch = epoch
+        self.rng = rng
+        self.sample_seed = sample_seed
+        self.iterable = iterable
+        self.num_streams = num_streams
+        self.drew_base_seed = drew_base_seed
+        self.yielded = yielded if yielded is not None else YieldedPositions()
+        self.streams = streams if streams else [StreamPoint() for _ in range(num_streams)]
+        self.next_worker = next_worker
+        self.finished = finished
+        self.skipped = skipped if skipped is not None else []
+
+    def __repr__(self) -> str:
+        return (
+            f"PassProgress(epoch={self.epoch!r}, yielded={len(self.yielded)}, "
+            f"streams={self.streams!r}, next_worker={self.next_worker!r}, "
+            f"finished={self.finished!r}, skipped={len(self.skipped)})"
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -181,8 +236,7 @@ def set_generator_states(generators: list[torch.Generator], states: list[Any]) -
 # -- how a pass starts: its randomness, drawn (or replayed) in one place -----------------------
 
 
-@dataclass
-class PassStart:
+class PassStart(NamedTuple):
     """What a pass draws when it starts: its numbered batches, base seed and progress."""
 
     # (sampler position, indices); positions a resumed pass had already yielded left out.
@@ -276,7 +330,7 @@ def begin_pass(
     skip: YieldedPositions | None = None
     if resume is not None and in_progress:
         if iterable:
-            progress.streams = [StreamPoint(**vars(point)) for point in resume.streams]
+            progress.streams = [point.copy() for point in resume.streams]
             progress.next_worker = resume.next_worker
             # Positions mean nothing to an IterableDataset; only the count goes on.
             progress.yielded = YieldedPositions(len(resume.yielded))

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.machinery import ModuleSpec
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.utils.data._utils.worker as torch_worker
@@ -152,8 +152,7 @@ class RemoteError(ExceptionWrapper):
             del exception
 
 
-@dataclass
-class WorkerConfig:
+class WorkerConfig(NamedTuple):
     worker_id: int
     num_workers: int
     base_seed: int

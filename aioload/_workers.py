@@ -22,8 +22,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ._backend import ReadableWait
 from ._channel import ChannelClosed, ParentChannel
@@ -98,8 +97,7 @@ def _disown_after_fork() -> None:
 os.register_at_fork(after_in_child=_disown_after_fork)
 
 
-@dataclass
-class WorkerSpec:
+class WorkerSpec(NamedTuple):
     dataset: Any
     dataset_kind: int
     auto_collation: bool
