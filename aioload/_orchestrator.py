@@ -390,6 +390,11 @@ class Orchestrator:
             return
         backend.start_pass(self._setup.plans)
         if self._setup.multiprocess:
+            # The first tasks go out before the workers are named: a pool that starts staggered
+            # (the sync front end) forks each worker but the first as its first task goes out,
+            # so the first starts working while the others are forked. (The next step would
+            # dispatch them anyway; nothing draws from an RNG in between.)
+            self._dispatch()
             for worker_id in range(self._num_workers):
                 self.stats.where[worker_id] = backend.describe(worker_id)
 

@@ -508,7 +508,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                     from ._ray import RayBackend  # imports Ray: only when a pass needs it
 
                     return RayBackend(spec, base_seed, ray_workers)
-                return WorkerPool(spec, base_seed)
+                # Staggered under `for` (see WorkerPool._start); under `async for` the pool
+                # starts in a thread, and its forks must not run on the loop later.
+                return WorkerPool(spec, base_seed, stagger=not offload_inline)
 
             make_backend, owns = self._workers.for_pass(make_pool, start.base_seed)
 

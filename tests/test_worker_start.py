@@ -13,7 +13,8 @@ import json
 import os
 import sys
 import textwrap
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -208,3 +209,100 @@ def test_read_buffer_is_resident_only_where_written() -> None:
     buffer[:10] = b"0123456789"
     assert _anonymous_resident_kib(address, len(buffer)) == 4
     assert bytes(buffer[:10]) == b"0123456789"
+
+
+# -- a staggered start (the sync front end) ------------------------------------------------
+
+
+class _Pids:
+    """Each sample is the pid of the worker that fetched it, after every worker's
+    worker_init_fn has written its pid into ``seen`` (a directory)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return os.getpid()
+
+
+def _note_pid(seen: Path) -> Callable[[int], None]:
+    def init(worker_id: int) -> None:
+        (seen / f"{worker_id}-{os.getpid()}").touch()
+
+    return init
+
+
+def _socket_fds(pid: int) -> int:
+    fd_dir = Path(f"/proc/{pid}/fd")
+    count = 0
+    for fd in fd_dir.iterdir():
+        try:
+            if os.readlink(fd).startswith("socket:"):
+                count += 1
+        except OSError:
+            pass
+    return count
+
+
+@pytest.mark.parametrize("num_batches", [1, 8], ids=["fewer-batches-than-workers", "many"])
+def test_a_staggered_start_starts_every_worker_once(
+    no_leaks: None, tmp_path: Path, num_batches: int
+) -> None:
+    """`for` forks worker 0 first and each other worker as its first task goes out, or at the
+    first wait: every worker still starts, once, whether or not it gets a task, and none
+    holds another worker's end of its socket."""
+    import aioload
+    from aioload import _workers
+
+    loader = aioload.DataLoader(
+        _Pids(num_batches),
+        batch_size=1,
+        num_workers=3,
+        worker_init_fn=_note_pid(tmp_path),
+        multiprocessing_context="fork",
+    )
+    it = iter(loader)
+    first = next(it)
+    pool = next(p for p in list(_workers._pools) if not p.closed)
+    assert pool.stagger and all(w.process is not None for w in pool.workers)
+    pids = [w.pid for w in pool.workers]
+    assert int(first) == pids[0]
+    # Once every worker has run its worker_init_fn (so it is past the closing of what it
+    # inherited), each holds its own socket and no other.
+    deadline = time.monotonic() + 30
+    while len(list(tmp_path.iterdir())) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for pid in pids:
+        assert pid is not None and _socket_fds(pid) == 1, "a worker holds another's socket"
+    rest = [int(b) for b in it]
+    assert len(rest) == num_batches - 1
+    started = sorted(p.name for p in tmp_path.iterdir())
+    assert started == sorted(f"{i}-{pid}" for i, pid in enumerate(pids))
+
+
+def test_a_staggered_pool_closed_before_its_first_wait_leaves_nothing(no_leaks: None) -> None:
+    from aioload import _workers
+    from aioload._workers import WorkerPool, WorkerSpec
+
+    spec = WorkerSpec(
+        dataset=list(range(4)),
+        dataset_kind=0,
+        auto_collation=True,
+        collate_fn=lambda x: x,
+        drop_last=False,
+        worker_init_fn=None,
+        num_workers=3,
+        prefetch_factor=2,
+        multiprocessing_context=None,
+        slab_collate=False,
+    )
+    before = len(os.listdir("/proc/self/fd"))
+    pool = WorkerPool(spec, base_seed=0, stagger=True)
+    assert [w.process is not None for w in pool.workers] == [True, False, False]
+    assert len(_workers._unforked_ends) == 2
+    pool.close()
+    assert not _workers._unforked_ends
+    assert len(os.listdir("/proc/self/fd")) <= before
