@@ -184,9 +184,35 @@ def _seed(base_seed: int, worker_id: int) -> int:
     # The same seeds torch's own workers use, so random augmentations match torch's loader.
     seed = base_seed + worker_id
     random.seed(seed)
-    torch.manual_seed(seed)
+    if _accelerators_to_seed():
+        torch.manual_seed(seed)
+    else:
+        torch.default_generator.manual_seed(seed)
     _seed_numpy(_generate_state(base_seed, worker_id))  # type: ignore[no-untyped-call]
     return seed
+
+
+def _accelerators_to_seed() -> bool:
+    """Whether this torch could ever run on an accelerator in this process, so that
+    ``torch.manual_seed`` must seed it too.
+
+    torch's workers call ``torch.manual_seed``, which also seeds every accelerator backend. An
+    uninitialized one (CUDA, XPU, MTIA) defers its seeding: it keeps the seed and a formatted
+    stack trace of the call for when it starts. That costs a worker about 2 ms and 500
+    copy-on-write page faults of its start, on the path to the first batch, and in a torch
+    built without any accelerator it is for a backend that can never start: there, seeding
+    the CPU generator (all that call then does that can be observed) is enough. Anything
+    unsure, a custom device backend included, takes the full call."""
+    try:
+        return bool(
+            torch.cuda._is_compiled()
+            or torch.xpu._is_compiled()
+            or torch.mtia._is_compiled()
+            or torch.backends.mps.is_built()
+            or torch._C._get_privateuse1_backend_name() != "privateuseone"
+        )
+    except Exception:  # a torch without one of these: do as torch's workers do
+        return True
 
 
 def _seed_numpy(state: list[int]) -> None:
