@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from aioload._heap import HeapPolicy
 from aioload.bench.workloads import WORKLOADS, make_dataset
 
 
@@ -31,10 +32,16 @@ def _kwargs(workload: str) -> dict[str, Any]:
 
 class _Stacker:
     """Stacks a batch of samples into one buffer, allocated in shared memory on first use and
-    reused while the batch's shape and dtype stay the same."""
+    reused while the batch's shape and dtype stay the same.
+
+    It keeps the malloc thresholds aioload's workers pin (``aioload._heap``): without them
+    glibc may give each batch's freed samples back to the kernel and fault them in again for
+    the next, and the floor, the machine's limit for this work, would be what that chance
+    made it."""
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
+        self.heap = HeapPolicy()
 
     def stack(self, samples: list[torch.Tensor]) -> torch.Tensor:
         shape = (len(samples), *samples[0].shape)
@@ -42,6 +49,7 @@ class _Stacker:
         if buf is None or buf.shape != shape or buf.dtype != samples[0].dtype:
             buf = torch.empty(shape, dtype=samples[0].dtype).share_memory_()  # type: ignore[no-untyped-call]
             self.buffer = buf
+            self.heap.batch_made(buf.numel() * buf.element_size())
         return torch.stack(samples, out=buf)
 
 
