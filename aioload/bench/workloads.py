@@ -270,7 +270,8 @@ class Workload:
 def users_collate(samples: list[Any]) -> Any:
     """A user's own ``collate_fn`` that calls ``default_collate``, as many do to add a step
     around it. In a worker, torch's ``default_collate`` stacks into a fresh shared-memory
-    segment per batch; the ``image-collate`` workload measures what each loader makes of it."""
+    segment per batch (aioload's, into the batch's slab); the ``image-collate`` workload
+    measures what each loader makes of it."""
     return default_collate(samples)
 
 
@@ -287,8 +288,8 @@ WORKLOADS: dict[str, Workload] = {
             400_000,
             64,
             2,
-            # Not image's 4x: the collate is the user's, so aioload cannot stack into its slab
-            # and copies each batch once more than under image.
+            # Set when a collate_fn of the user's own made aioload copy each batch once more
+            # than under image; its default_collate now stacks into the slab too.
             3.0,
             "image, collate_fn of the user's own that calls default_collate",
             collate_fn=users_collate,
