@@ -142,9 +142,9 @@ def render_block(results: list[dict[str, Any]], meta: dict[str, Any], png_name: 
         "(a freed slab that arrived behind its task went unseen). Both the workers and the "
         "floor keep a batch's freed samples in the heap (`aioload._heap`): glibc gave them "
         "back to the kernel in some runs, and every batch faulted them in again (the "
-        "2026-11-23 sweep had 8 MB samples at 43% of the floor). A point above 100% is one "
-        "run against a floor measured at another moment, on a machine whose memory "
-        "bandwidth varies from minute to minute.",
+        "2026-11-23 sweep had 8 MB samples at 43% of the floor). Each point is one run "
+        "against a floor measured at another moment, on a machine whose memory bandwidth "
+        "varies from minute to minute: a point can even land above 100%.",
         "",
         report.SWEEP_END,
     ]
