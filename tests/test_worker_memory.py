@@ -9,6 +9,7 @@ import collections
 import os
 import select
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -123,24 +124,13 @@ def _worker_over(sock: socket.socket, pool: _transport.WorkerSlabPool) -> Any:
     return worker
 
 
-def test_a_slab_freed_right_behind_a_task_is_used_for_it() -> None:
-    """The parent refills the window as it hands a batch over, and frees that batch's slab a
-    moment later: both can arrive in the worker's one read. The task must find the slab free,
-    not make another."""
+@pytest.fixture
+def over_a_socket() -> Iterator[tuple[_transport.WorkerSlabPool, Any, _channel.ParentChannel]]:
+    """A worker's slab pool and message handling, and the parent's end of its socket."""
     pool = _transport.WorkerSlabPool(max_idle=3)
     parent_sock, worker_sock = socket.socketpair()
     try:
-        slab = pool.acquire(_transport._MIN_SLAB)  # in the parent's hands
-        worker = _worker_over(worker_sock, pool)
-        parent = _channel.ParentChannel(parent_sock)
-        parent.queue(Task(7, 0, [0, 1]))
-        parent.queue(FreeSlabs([slab.id]))
-        parent.pump_out()
-        task = worker._next_message()
-        assert task.task_id == 7
-        assert worker._current(task)
-        assert pool.acquire(_transport._MIN_SLAB) is slab
-        assert len(pool.slabs) == 1
+        yield pool, _worker_over(worker_sock, pool), _channel.ParentChannel(parent_sock)
     finally:
         parent_sock.close()
         worker_sock.close()
@@ -148,6 +138,37 @@ def test_a_slab_freed_right_behind_a_task_is_used_for_it() -> None:
             fd = kept.take_fd()
             if fd is not None:
                 os.close(fd)
+
+
+def test_a_slab_freed_right_behind_a_task_is_used_for_it(
+    over_a_socket: tuple[_transport.WorkerSlabPool, Any, _channel.ParentChannel],
+) -> None:
+    """The parent refills the window as it hands a batch over, and frees that batch's slab a
+    moment later: both can arrive in the worker's one read. The task must find the slab free,
+    not make another."""
+    pool, worker, parent = over_a_socket
+    slab = pool.acquire(_transport._MIN_SLAB)  # in the parent's hands
+    parent.queue(Task(7, 0, [0, 1]))
+    parent.queue(FreeSlabs([slab.id]))
+    parent.pump_out()
+    task = worker._next_message()
+    assert task.task_id == 7
+    assert worker._current(task)
+    assert pool.acquire(_transport._MIN_SLAB) is slab
+    assert len(pool.slabs) == 1
+
+
+def test_slabs_freed_on_a_task_are_free_for_it(
+    over_a_socket: tuple[_transport.WorkerSlabPool, Any, _channel.ParentChannel],
+) -> None:
+    """Small freed slabs ride on the worker's next task (Task.freed_slabs)."""
+    pool, worker, parent = over_a_socket
+    slab = pool.acquire(_transport._MIN_SLAB)
+    parent.queue(Task(3, 0, [4, 5], (slab.id,)))
+    parent.pump_out()
+    task = worker._next_message()
+    assert task.task_id == 3 and worker._current(task)
+    assert pool.acquire(_transport._MIN_SLAB) is slab
 
 
 @pytest.mark.timeout(60)
@@ -253,25 +274,3 @@ def test_a_collate_fn_of_ones_own_stacks_into_the_slab(no_leaks: None) -> None:
             [torch.full((16, 1024), i, dtype=torch.int32) for i in range(4 * k, 4 * k + 4)]
         )
         assert torch.equal(batch["img"], want) and int(batch["n"]) == 4
-
-
-def test_slabs_freed_on_a_task_are_free_for_it() -> None:
-    """Small freed slabs ride on the worker's next task (Task.freed_slabs)."""
-    pool = _transport.WorkerSlabPool(max_idle=3)
-    parent_sock, worker_sock = socket.socketpair()
-    try:
-        slab = pool.acquire(_transport._MIN_SLAB)
-        worker = _worker_over(worker_sock, pool)
-        parent = _channel.ParentChannel(parent_sock)
-        parent.queue(Task(3, 0, [4, 5], (slab.id,)))
-        parent.pump_out()
-        task = worker._next_message()
-        assert task.task_id == 3 and worker._current(task)
-        assert pool.acquire(_transport._MIN_SLAB) is slab
-    finally:
-        parent_sock.close()
-        worker_sock.close()
-        for kept in pool.slabs.values():
-            fd = kept.take_fd()
-            if fd is not None:
-                os.close(fd)
