@@ -604,6 +604,10 @@ class _ProcessWorker:
         current task was sent are then reused instead of growing the pool, and a newer pass
         already announced lets us skip tasks that nobody waits for any more."""
         self.channel.fill(wait=False)
+        self._absorb_buffered()
+
+    def _absorb_buffered(self) -> None:
+        """Take in every whole frame already read."""
         while self.channel.has_frame():
             self._absorb(self.channel.pop())
 
@@ -631,8 +635,7 @@ class _ProcessWorker:
             # another: every worker grew a third slab in the first batches of every pass (9 MiB
             # more resident memory per worker on the image workload).
             self.drained = False
-            while self.channel.has_frame():
-                self._absorb(self.channel.pop())
+            self._absorb_buffered()
         else:
             self._drain()
         return task.generation >= self.step.generation
