@@ -353,11 +353,16 @@ class WorkerPool:
         worker.pid = process.pid
         self.selector.register(process.sentinel, selectors.EVENT_READ, (worker, "exit"))
 
+    def _fork_if_waiting(self, worker: _WorkerHandle) -> None:
+        """Fork a worker of a staggered start that is still waiting for its fork (not one
+        whose socket is already closed)."""
+        if worker.process is None and worker.child_end is not None:
+            self._fork(worker)
+
     def _fork_the_rest(self) -> None:
         """Fork every worker of a staggered start that is not forked yet."""
         for worker in self.workers:
-            if worker.process is None and worker.child_end is not None:
-                self._fork(worker)
+            self._fork_if_waiting(worker)
 
     def _unregister(self, worker: _WorkerHandle) -> None:
         """Close a worker's socket, both ends (one that never got a process)."""
@@ -410,8 +415,7 @@ class WorkerPool:
         # the prefetch window as it hands a batch over, and the task must reach its worker
         # while the consumer works on that batch, not at the consumer's next request.
         worker = self.workers[worker_id]
-        if worker.process is None:
-            self._fork(worker)  # a staggered start: its first task (see _start)
+        self._fork_if_waiting(worker)  # a staggered start: its first task (see _start)
         self._queue_frees()
         freed = worker.take_deferred_frees() if worker.deferred_frees else ()
         worker.channel.queue(Task(task_id, self.generation, indices, freed))
@@ -592,8 +596,7 @@ class WorkerPool:
 
     def describe(self, worker_id: int) -> str:
         worker = self.workers[worker_id]
-        if worker.process is None and worker.child_end is not None:
-            self._fork(worker)  # a worker is named by its pid: it needs one now
+        self._fork_if_waiting(worker)  # a worker is named by its pid: it needs one now
         return f"pid {worker.pid}"
 
     async def wait(self, deadline: float, wake_fd: int | None = None) -> None:
