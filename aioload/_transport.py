@@ -31,6 +31,7 @@ import io
 import mmap
 import os
 import pickle
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, cast
@@ -43,6 +44,7 @@ from ._channel import CachedUnpickler
 
 __all__ = [
     "ALIGN",
+    "EAGER_FREE_BYTES",
     "EncodedBatch",
     "LeafDesc",
     "SlabMappings",
@@ -59,6 +61,20 @@ _MIN_SLAB = 1 << 16
 # batches are stacked as usual and copied into the slab when encoded.
 _ARENA_MIN_BYTES = 1 << 16
 _PAGE = mmap.PAGESIZE
+# A slab the parent's consumer let go of goes back to its worker at once (before the parent
+# next waits) when it is at least this large; a smaller one rides along on that worker's next
+# task (Task.freed_slabs). The large ones matter: a worker that starts a batch before hearing
+# that a slab is free makes another, and for a large batch that is megabytes more resident
+# memory and a working set that outgrows the cache. For a small one it is a few pages, and
+# returning it at once cost a send (a system call and a pickled frame) of its own on every
+# batch: with two workers, the batch the consumer just dropped and the task that refills the
+# window go to different workers. A worker waits a little for the free of a slab this large
+# (WorkerSlabPool.acquire), and never for a smaller one, whose free comes with a task.
+EAGER_FREE_BYTES = 1 << 20
+# The most a worker waits for a free before it makes a slab, and how many slabs it then makes
+# without waiting, when the wait was in vain (the consumer keeps its batches).
+_FREE_PATIENCE_MAX_S = 0.02
+_WAITS_SKIPPED_AFTER_IN_VAIN = 64
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 # Array dtypes that can be reinterpreted from raw bytes. Anything else is pickled.
@@ -202,7 +218,7 @@ class _Arena:
     def __init__(self, slab: _Slab, *, made_for_batch: bool = False) -> None:
         self.slab = slab
         self.used = 0
-        # Made by a _PendingArena for this batch, so sized by its first tensor only: if the
+        # Made by a _LazyArena for this batch, so sized by its first tensor only: if the
         # batch spills out of it, it is dropped rather than kept idle (see encode_batch).
         self.made_for_batch = made_for_batch
 
@@ -221,17 +237,26 @@ class _Arena:
         return self.slab.ptr <= ptr < self.slab.ptr + self.slab.capacity
 
 
-class _PendingArena:
-    """The arena of a worker's first batch, before the pool knows how big batches are.
+class _LazyArena:
+    """The arena of a batch being collated, before it has a slab: the slab is taken when the
+    collate first stacks a tensor into it, not when the task starts.
 
-    Without it the first batch would be stacked into fresh private memory (a page fault per
-    page), and then copied into a new slab whose pages are all faulted in as well: about
-    16 ms instead of 9 for a 9 MiB image batch, paid by every worker's first batch of every
-    pass (workers that do not persist start over). Here the slab is made when the collate
-    first stacks a tensor, sized by that tensor with room to spare for the batch's small
-    leaves, and that tensor is stacked straight into it. A batch with several large leaves may
-    still not fit; encode_batch then moves it to a slab of the right size, as for any batch
-    that outgrows its arena, and drops this one.
+    Taken late, the slab is more often one the parent has just freed. A worker is given
+    ``prefetch_factor`` tasks at once, and while it fetches a batch's samples (half the
+    batch's time on the image workload) the consumer usually drops the batch before the last.
+    Taken at the start of the task, that slab was still in use, and one worker in two kept a
+    third 9 MiB slab in its rotation: five slabs for two workers, whose writes no longer fit
+    in the cache. The pool also reads the frees the parent has sent since the task began
+    before it makes a slab (``WorkerSlabPool.take_in_frees``).
+
+    Until the pool knows how big batches are (a worker's first batch), the slab is sized by the
+    first tensor stacked, with room to spare for the batch's small leaves, and that tensor is
+    stacked straight into it: without it the first batch would be stacked into fresh private
+    memory (a page fault per page), and then copied into a new slab whose pages are all
+    faulted in as well, about 16 ms instead of 9 for a 9 MiB image batch, paid by every
+    worker's first batch of every pass. A batch with several large leaves may still not fit;
+    encode_batch then moves it to a slab of the right size, as for any batch that outgrows
+    its arena, and drops this one.
     """
 
     __slots__ = ("arena", "pool")
@@ -241,22 +266,23 @@ class _PendingArena:
         self.arena: _Arena | None = None
 
     def start(self, nbytes: int) -> _Arena | None:
-        """The arena, its slab made for ``nbytes`` on first use; None without shared memory
+        """The arena, its slab taken for ``nbytes`` on first use; None without shared memory
         (the collate then stacks as usual and the batch is sent by value)."""
         if self.arena is None:
+            expected = self.pool.expected
+            sized_by_this_tensor = expected < nbytes
+            want = nbytes + max(_MIN_SLAB, nbytes // 16) if sized_by_this_tensor else expected
             try:
-                slab = self.pool.acquire(nbytes + max(_MIN_SLAB, nbytes // 16))
+                slab = self.pool.acquire(want)
             except OSError:
                 return None
-            self.arena = _Arena(slab, made_for_batch=True)
+            self.arena = _Arena(slab, made_for_batch=sized_by_this_tensor)
         return self.arena
 
 
-def settled_arena(arena: _Arena | _PendingArena | None) -> _Arena | None:
-    """The arena a collate used: a pending one's, if it made its slab."""
-    if isinstance(arena, _PendingArena):
-        return arena.arena
-    return arena
+def settled_arena(arena: _LazyArena | None) -> _Arena | None:
+    """The arena a collate used, if it took a slab."""
+    return None if arena is None else arena.arena
 
 
 class WorkerSlabPool:
@@ -269,12 +295,23 @@ class WorkerSlabPool:
         self.dropped: list[int] = []
         self.expected = 0
         self._next_id = 0
+        # Takes in the frees the parent has sent since the current task was read, from the
+        # worker's socket, waiting up to the given seconds for one; set by a worker process
+        # that reads its socket only between tasks. Called before a slab is made, so that one
+        # freed a moment ago, or about to be, is reused instead.
+        self.take_in_frees: Callable[[float], None] | None = None
+        # How long this worker's last batch took to make (waits for a free left out): the
+        # most it waits for a free (see _patience).
+        self.batch_s = 0.0
+        self.waited_s = 0.0
+        self._waits_skipped = 0
 
     def acquire(self, min_bytes: int) -> _Slab:
         """The smallest free slab that holds ``min_bytes``, or a new one. Among slabs of one
         size, the one freed last: it is the likeliest to be still in the cache, and the
         others stay idle (a worker's batches are usually all one size, and with frees that
         arrive in bursts, taking the oldest would cycle through every slab)."""
+        frees_taken_in = self.take_in_frees is None
         while True:
             best: int | None = None
             for pos, slab_id in enumerate(self.free):
@@ -284,7 +321,11 @@ class WorkerSlabPool:
                 ):
                     best = pos
             if best is None:
-                break
+                if frees_taken_in:
+                    break
+                frees_taken_in = True
+                self._take_in_frees(min_bytes)
+                continue
             slab = self.slabs[self.free.pop(best)]
             if not slab.referenced():
                 return slab
@@ -300,6 +341,43 @@ class WorkerSlabPool:
         self._next_id += 1
         self.slabs[slab.id] = slab
         return slab
+
+    def _take_in_frees(self, min_bytes: int) -> None:
+        """Before a slab is made: read the frees the parent has sent, and wait a little for
+        one if this worker already has two slabs of this size in use.
+
+        Two slabs per worker are enough while the consumer drops each batch as it takes the
+        next: one is the batch being made, the other the batch before it, held by the
+        consumer or waiting its turn. The worker needs a third when it runs ahead of the
+        others by more than a batch or so: the consumer still holds this worker's previous
+        batch while it waits for another worker's, and this worker's next batch is already
+        done. A third 9 MiB slab per worker is more resident memory than torch's loader
+        needs, and a rotation that no longer fits in the cache, so every batch is written to
+        memory cold. Waiting here costs nothing: this worker's batch would only wait its turn
+        in the parent, and the free comes once the worker behind delivers. The wait also pulls
+        the workers back in step, so that the next batches need no wait.
+
+        A wait in vain (the consumer keeps batches: ``list(loader)``, a replay buffer) means
+        slabs must be made; the next few are made without waiting."""
+        assert self.take_in_frees is not None
+        patience = 0.0
+        if self._waits_skipped:
+            self._waits_skipped -= 1
+        elif min_bytes >= EAGER_FREE_BYTES:
+            in_use = sum(1 for slab in self.slabs.values() if slab.capacity >= min_bytes)
+            if in_use >= 2:
+                # Long enough for the worker behind to finish the batch it is on, even when
+                # it lost its core for a while (three processes share two cores in the
+                # benchmark): with one batch's time, a wait in four hundred was in vain.
+                patience = min(2 * self.batch_s + 0.001, _FREE_PATIENCE_MAX_S)
+        if not patience:
+            self.take_in_frees(0.0)
+            return
+        started = time.perf_counter()
+        self.take_in_frees(patience)
+        self.waited_s += time.perf_counter() - started
+        if not any(self.slabs[i].capacity >= min_bytes for i in self.free):
+            self._waits_skipped = _WAITS_SKIPPED_AFTER_IN_VAIN
 
     def release(self, slab_id: int) -> None:
         # Idempotent: a slab listed twice in ``free`` could be handed to two live batches.
@@ -326,15 +404,13 @@ class WorkerSlabPool:
         dropped, self.dropped = self.dropped, []
         return dropped
 
-    def arena(self) -> _Arena | _PendingArena:
-        if self.expected <= 0:
-            return _PendingArena(self)
-        return _Arena(self.acquire(self.expected))
+    def arena(self) -> _LazyArena:
+        return _LazyArena(self)
 
 
 # The arena of the batch being collated in this worker, if any. Only the worker's main thread
 # collates, so a module global is enough.
-_current_arena: _Arena | _PendingArena | None = None
+_current_arena: _LazyArena | None = None
 
 
 def _collate_tensor_into_slab(
@@ -359,11 +435,10 @@ def _collate_tensor_into_slab(
         and _stackable_alike(batch, elem.dtype)
     ):
         shape = (len(batch), *elem.shape)
-        if isinstance(arena, _PendingArena):
-            arena = arena.start(nbytes)
-        offset = None if arena is None else arena.alloc(nbytes)
-        if arena is not None and offset is not None:
-            out = arena.view(offset, nbytes, elem.dtype).view(shape)
+        started = arena.start(nbytes)
+        offset = None if started is None else started.alloc(nbytes)
+        if started is not None and offset is not None:
+            out = started.view(offset, nbytes, elem.dtype).view(shape)
             return torch.stack(batch, 0, out=out)
     return torch.stack(batch, 0)
 

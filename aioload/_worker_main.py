@@ -491,14 +491,21 @@ class WorkerStep:
         """Run ``make_batch`` (a fetch, or an async fetch's collate), with a slab to collate
         into when this worker has shared memory, and note where the stream stands after it."""
         arena = self._arena()
+        started = time.perf_counter()
+        waited = 0.0 if self.slabs is None else self.slabs.waited_s
         try:
             _transport._current_arena = arena
             try:
                 data = make_batch()
             finally:
                 _transport._current_arena = None
-                # A first batch's arena has a slab only if the collate stacked into it.
+                # The arena has a slab only if the collate stacked into it.
                 arena = _transport.settled_arena(arena)
+                if self.slabs is not None:
+                    # How long a batch takes to make, a wait for a free left out: the pool
+                    # waits at most this long for the next one.
+                    took = time.perf_counter() - started
+                    self.slabs.batch_s = took - (self.slabs.waited_s - waited)
             stream = None
             if self.iterable:
                 fetcher = self.fetcher
@@ -561,6 +568,13 @@ class _ProcessWorker:
         self.parent_pid = os.getppid()
         self.poller = select.poll()
         self.poller.register(channel.sock.fileno(), select.POLLIN)
+        if not self.step.is_async:
+            # A sync worker reads its socket only between tasks, so a slab the parent freed
+            # while this task's samples were being made would go unseen until the next one.
+            # Not for an async worker: its reader is a coroutine waiting on the socket, and a
+            # task read here, in the middle of another task's collate, would sit in `pending`
+            # unseen by it.
+            self.slabs.take_in_frees = self._take_in_frees
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -605,6 +619,20 @@ class _ProcessWorker:
         already announced lets us skip tasks that nobody waits for any more."""
         self.channel.fill(wait=False)
         self._absorb_buffered()
+
+    def _take_in_frees(self, wait_s: float) -> None:
+        """``_drain``, for the slab pool in the middle of a task, waiting up to ``wait_s`` for
+        a free to arrive (see WorkerSlabPool._take_in_frees). A parent found gone here is found
+        again by the next read, between tasks, where the worker ends."""
+        with contextlib.suppress(ChannelClosed, OSError):
+            free = len(self.slabs.free)
+            self._drain()
+            deadline = time.perf_counter() + wait_s
+            while len(self.slabs.free) == free:
+                left = deadline - time.perf_counter()
+                if left <= 0 or not self.poller.poll(math.ceil(left * 1000)):
+                    return
+                self._drain()
 
     def _absorb_buffered(self) -> None:
         """Take in every whole frame already read."""

@@ -43,7 +43,7 @@ from ._messages import (
     ValueBatch,
     WorkerLost,
 )
-from ._transport import SlabMappings
+from ._transport import EAGER_FREE_BYTES, SlabMappings
 from .errors import WorkerDiedError
 
 if TYPE_CHECKING:
@@ -58,14 +58,6 @@ SHUTDOWN_GRACE_S = 0.5
 # Upper bound of one wait on the selector, so that a failure no descriptor reports (in practice,
 # none is known) is still noticed.
 _HEALTH_CHECK_S = 1.0
-# A freed slab at least this large goes back to its worker at once (before the parent next
-# waits); a smaller one rides along on that worker's next task (Task.freed_slabs). The large
-# ones matter: a worker that starts a batch before hearing that a slab is free makes another,
-# and for a large batch that is megabytes more resident memory and a working set that outgrows
-# the cache. For a small one it is a few pages, and returning it at once cost a send (a system
-# call and a pickled frame) of its own on every batch: with two workers, the batch the
-# consumer just dropped and the task that refills the window go to different workers.
-_EAGER_FREE_BYTES = 1 << 20
 
 # Parent ends of every pool's sockets, and every pool, in this process.
 _parent_fds: weakref.WeakSet[ParentChannel] = weakref.WeakSet()
@@ -200,7 +192,7 @@ class _WorkerHandle:
         self.exited = False
         self.release: Callable[[int], None] = _no_release
         # Small freed slabs waiting to ride along with this worker's next task (see
-        # _EAGER_FREE_BYTES).
+        # EAGER_FREE_BYTES).
         self.deferred_frees: list[int] = []
         # Whether the selector watches its socket for writability (see WorkerPool._pump_out).
         self.watching_write = False
@@ -423,7 +415,7 @@ class WorkerPool:
 
     def _queue_frees(self) -> None:
         """Put the large slabs the consumer has let go of in their workers' outboxes (unsent),
-        and set the small ones aside for each worker's next task (_EAGER_FREE_BYTES)."""
+        and set the small ones aside for each worker's next task (EAGER_FREE_BYTES)."""
         if not self.releases:
             return
         freed: dict[_WorkerHandle, list[int]] = {}
@@ -432,7 +424,7 @@ class WorkerPool:
             if worker.exited or worker.channel.closed:
                 continue
             mapping = worker.mappings.maps.get(slab_id)
-            if mapping is not None and len(mapping) >= _EAGER_FREE_BYTES:
+            if mapping is not None and len(mapping) >= EAGER_FREE_BYTES:
                 freed.setdefault(worker, []).append(slab_id)
             else:
                 worker.deferred_frees.append(slab_id)

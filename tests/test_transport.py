@@ -751,11 +751,11 @@ class Transfer:
         return enc, out
 
     def collate_in_arena(self, samples: list[Any]) -> tuple[Any, Any]:
-        arena = self.pool.arena()
-        assert arena is not None
-        _transport._current_arena = arena
+        """The collated batch, and the arena it was stacked into (None: it took no slab)."""
+        lazy = self.pool.arena()
+        _transport._current_arena = lazy
         try:
-            return _transport.slab_collate(samples), arena
+            return _transport.slab_collate(samples), _transport.settled_arena(lazy)
         finally:
             _transport._current_arena = None
 
@@ -784,9 +784,12 @@ def test_all_empty_leaves_need_no_slab(no_leaks: None, pool: _transport.WorkerSl
     enc, got = transfer.send(batch)
     assert enc.slab is None and not pool.slabs
     assert_same(got, batch)
-    # With an arena, the arena's slab goes straight back to the pool.
+    # A collate stacks nothing into the arena: it takes no slab.
     pool.expected = 1024
-    arena = pool.arena()
+    _, arena = transfer.collate_in_arena([batch])
+    assert arena is None and not pool.slabs
+    # An arena with a slab: the slab goes straight back to the pool.
+    arena = pool.arena().start(1024)
     assert arena is not None
     enc, got = transfer.send(batch, arena)
     assert enc.slab is None and pool.free == [arena.slab.id]
@@ -895,8 +898,7 @@ def test_slab_collate_stacks_straight_into_the_arena(
     # The first batch has no size estimate: its slab is made for the first tensor stacked,
     # and these samples' other large leaves do not fit there; the batch moves to a slab of
     # the right size, and the first one is dropped, not kept idle.
-    collated, pending = transfer.collate_in_arena(samples)
-    made = _transport.settled_arena(pending)
+    collated, made = transfer.collate_in_arena(samples)
     assert made is not None and made.holds(collated["img"])
     enc, got = transfer.send(collated, made)
     assert_same(got, want)
@@ -933,8 +935,7 @@ def test_a_first_batch_is_stacked_into_a_slab_made_for_it(
     transfer = Transfer(pool)
     assert pool.expected == 0
     for _ in range(2):
-        collated, pending = transfer.collate_in_arena(samples)
-        arena = _transport.settled_arena(pending)
+        collated, arena = transfer.collate_in_arena(samples)
         assert arena is not None and arena.holds(collated[0])
         enc, got = transfer.send(collated, arena)
         assert enc.slab is arena.slab and len(pool.slabs) == 1
@@ -949,8 +950,8 @@ def test_a_first_batch_without_large_tensors_makes_no_slab_early(
     no_leaks: None, pool: _transport.WorkerSlabPool
 ) -> None:
     samples = [torch.tensor([i, i + 1]) for i in range(8)]
-    collated, pending = Transfer(pool).collate_in_arena(samples)
-    assert _transport.settled_arena(pending) is None and not pool.slabs
+    collated, arena = Transfer(pool).collate_in_arena(samples)
+    assert arena is None and not pool.slabs
     assert torch.equal(collated, default_collate(samples))
 
 
@@ -1074,7 +1075,7 @@ def test_a_lone_tensor_batch_round_trips(
     _, got = transfer.send(want)
     assert_same(got, want)
     pool.expected = 1 << 16
-    arena = pool.arena()
+    arena = pool.arena().start(1 << 16)
     _, got_via_arena = transfer.send(want, arena)
     assert_same(got_via_arena, want)
     for received in (got, got_via_arena):
@@ -1123,7 +1124,7 @@ def test_slab_collate_of_unlike_samples_matches_default_collate(
     transfer = Transfer(pool)
     collated, arena = transfer.collate_in_arena(samples)
     want = default_collate(samples)
-    assert not arena.holds(collated)
+    assert arena is None, "nothing is stacked into the slab, so none is taken"
     assert collated.dtype == want.dtype and collated.requires_grad == want.requires_grad
     assert torch.equal(collated.detach(), want.detach())
 
@@ -1179,7 +1180,7 @@ def test_worker_falls_back_when_a_spill_cannot_get_a_slab(
     no_leaks: None, pool: _transport.WorkerSlabPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pool.expected = 256
-    arena = pool.arena()
+    arena = pool.arena().start(256)
     assert arena is not None
     slab_id = arena.slab.id
     monkeypatch.setattr(_transport, "_create_memfd", _enospc)

@@ -9,6 +9,8 @@ import collections
 import os
 import select
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -172,6 +174,100 @@ def test_slabs_freed_on_a_task_are_free_for_it(
 
 
 @pytest.mark.timeout(60)
+def _waits_of(pool: _transport.WorkerSlabPool, worker: Any) -> list[float]:
+    """Hook the worker's socket up to its pool, as a sync worker process does; the list
+    collects how long each call to it was allowed to wait."""
+    waits: list[float] = []
+
+    def take_in_frees(wait_s: float) -> None:
+        waits.append(wait_s)
+        worker._take_in_frees(wait_s)
+
+    pool.take_in_frees = take_in_frees
+    return waits
+
+
+_LARGE = _transport.EAGER_FREE_BYTES
+
+
+def test_a_worker_waits_for_a_free_rather_than_make_a_third_large_slab(
+    over_a_socket: tuple[_transport.WorkerSlabPool, Any, _channel.ParentChannel],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two large slabs in use (the batch the consumer holds, the one waiting its turn): the
+    third batch waits for the consumer to drop the first instead of making a slab."""
+    pool, worker, parent = over_a_socket
+    waits = _waits_of(pool, worker)
+    monkeypatch.setattr(_transport, "_FREE_PATIENCE_MAX_S", 30.0)
+    pool.batch_s = 10.0  # patient enough for any machine: the free below ends the wait
+    held = pool.acquire(_LARGE)
+    pool.acquire(_LARGE)
+    assert waits == [0.0, 0.0], "the first two slabs are made without waiting"
+
+    def free_later() -> None:
+        time.sleep(0.05)
+        parent.queue(FreeSlabs([held.id]))
+        parent.pump_out()
+
+    sender = threading.Thread(target=free_later)
+    sender.start()
+    started = time.perf_counter()
+    try:
+        got = pool.acquire(_LARGE)
+    finally:
+        sender.join()
+    assert got is held and len(pool.slabs) == 2
+    assert waits[2:] == [pytest.approx(20.0, abs=0.01)], "no wait, or not patient"
+    assert time.perf_counter() - started < 20.0
+
+
+def test_a_wait_in_vain_is_short_and_the_next_slabs_are_made_without_one(
+    over_a_socket: tuple[_transport.WorkerSlabPool, Any, _channel.ParentChannel],
+) -> None:
+    """A consumer that keeps its batches (``list(loader)``) never frees a slab: the worker
+    waits at most about two batches' time once, then makes slabs without waiting."""
+    pool, worker, _ = over_a_socket
+    waits = _waits_of(pool, worker)
+    pool.batch_s = 0.004
+    for _ in range(2):
+        pool.acquire(_LARGE)
+    started = time.perf_counter()
+    pool.acquire(_LARGE)
+    waited = time.perf_counter() - started
+    assert len(pool.slabs) == 3
+    assert waits[2:] == [pytest.approx(0.009)]
+    assert waited >= 0.008, "the wait was cut short"
+    del waits[:]
+    for _ in range(_transport._WAITS_SKIPPED_AFTER_IN_VAIN):
+        pool.acquire(_LARGE)
+    assert set(waits) == {0.0}, "a wait after one in vain"
+    assert len(pool.slabs) == 3 + _transport._WAITS_SKIPPED_AFTER_IN_VAIN
+    pool.acquire(_LARGE)
+    assert waits[-1] > 0, "the waits resume after the skipped ones"
+
+
+def test_no_wait_for_a_small_slab_or_a_parent_that_is_gone(
+    over_a_socket: tuple[_transport.WorkerSlabPool, Any, _channel.ParentChannel],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A small slab's free comes with the worker's next task, so none is waited for. A wait
+    ends at once when the parent is gone: the worker ends at its next read between tasks."""
+    pool, worker, parent = over_a_socket
+    waits = _waits_of(pool, worker)
+    monkeypatch.setattr(_transport, "_FREE_PATIENCE_MAX_S", 30.0)
+    pool.batch_s = 10.0
+    for _ in range(3):
+        pool.acquire(_transport._MIN_SLAB)
+    assert set(waits) == {0.0}
+    for _ in range(2):
+        pool.acquire(_LARGE)
+    parent.sock.close()
+    started = time.perf_counter()
+    pool.acquire(_LARGE)
+    assert time.perf_counter() - started < 10.0
+    assert waits[-1] == pytest.approx(20.0, abs=0.01) and len(pool.slabs) == 6
+
+
 def test_small_freed_slabs_ride_along_with_the_next_task(
     no_leaks: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
