@@ -25,6 +25,7 @@ import pickle
 import socket
 import struct
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 _HEADER = struct.Struct("<I")
@@ -75,8 +76,19 @@ def load_frame(payload: bytes | memoryview) -> Any:
     return CachedUnpickler(io.BytesIO(payload)).load()
 
 
-def encode_frame(message: Any) -> bytes:
-    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+# A frame is a pickle, which starts with pickle's PROTO opcode, or a message packed by the
+# channel's ``pack`` (aioload._packed: the reply most batches get), which starts with any other
+# byte and is read back by the receiving channel's ``unpack``.
+_PICKLE_PROTO = pickle.PROTO[0]
+Pack = Callable[[Any], "bytes | None"]
+Unpack = Callable[[memoryview], Any]
+
+
+def encode_frame(message: Any, pack: Pack | None = None) -> bytes:
+    """``message``'s frame: packed by ``pack`` where it packs it, else pickled."""
+    payload = None if pack is None else pack(message)
+    if payload is None:
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     if len(payload) > _MAX_FRAME:
         raise ValueError(f"aioload frame of {len(payload)} bytes exceeds the 4 GiB limit")
     return _HEADER.pack(len(payload)) + payload
@@ -85,9 +97,10 @@ def encode_frame(message: Any) -> bytes:
 class ParentChannel:
     """The parent's non-blocking end of one worker's socket."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, unpack: Unpack | None = None) -> None:
         sock.setblocking(False)
         self.sock = sock
+        self.unpack = unpack
         self.inbox = bytearray()
         self.outbox = bytearray()
         # Reads land in this buffer, made once. ``recvmsg(n)`` would allocate a fresh n-byte
@@ -162,7 +175,11 @@ class ParentChannel:
                 end = pos + _HEADER.size + size
                 if end > len(view):
                     break
-                frames.append(load_frame(view[pos + _HEADER.size : end]))
+                with view[pos + _HEADER.size : end] as frame:
+                    if frame[0] != _PICKLE_PROTO and self.unpack is not None:
+                        frames.append(self.unpack(frame))
+                    else:
+                        frames.append(load_frame(frame))
                 pos = end
         finally:
             view.release()
@@ -185,14 +202,15 @@ class ParentChannel:
 class WorkerChannel:
     """The worker's blocking end of its socket."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, pack: Pack | None = None) -> None:
         sock.setblocking(True)
         self.sock = sock
+        self.pack = pack
         self.inbox = bytearray()
         self._chunk = _read_buffer()  # see ParentChannel
 
     def send(self, message: Any, fds: list[int] | None = None) -> None:
-        frame = encode_frame(message)
+        frame = encode_frame(message, self.pack)
         if fds:
             # The descriptors ride on the first byte of the frame.
             sent = self.sock.sendmsg(

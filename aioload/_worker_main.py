@@ -60,6 +60,7 @@ from ._messages import (
     Task,
     ToWorker,
 )
+from ._packed import pack_reply
 from .errors import WorkerError
 
 if TYPE_CHECKING:
@@ -291,7 +292,7 @@ def worker_main(config: WorkerConfig, sock: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     _transport.stack_tensors_privately()
-    channel = WorkerChannel(sock)
+    channel = WorkerChannel(sock, pack=pack_reply)
     # ChannelClosed and friends: the parent is gone or shut us down.
     with contextlib.suppress(ChannelClosed, BrokenPipeError, ConnectionResetError):
         _ProcessWorker(config, channel).run()

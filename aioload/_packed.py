@@ -1,0 +1,104 @@
+"""The answer most batches get, packed with ``struct`` instead of pickled.
+
+A worker answers every task with a :class:`~aioload._messages.Reply`, and for a batch of plain
+tensors (what ``default_collate`` makes of tensor samples, a tuple of them, a dict of them)
+that reply is always the same shape: a :class:`~aioload._messages.SlabBatch` whose leaves are
+contiguous tensors in the slab. The parent reads one per batch, and unpickling it was about a
+seventh of the parent's CPU per batch on the ``tiny`` workload (py-spy: ``load_frame`` and the
+class lookups it makes, ``Reply``, ``SlabBatch`` and a ``torch.dtype`` by name). Unpacking the
+same fields with one ``struct`` call and building the named tuples directly takes half as
+long (1.2 against 2.7 us in a warm loop), and less of the code a cold cache must fetch after
+each wake-up.
+
+Anything else (a numpy leaf, a strided leaf, a dtype not in ``_DTYPES``, a stream position,
+slabs the worker dropped, any other result) is pickled as before: the packed form is an
+optimisation of one common message, never a second protocol to keep in step. A pickle frame
+starts with pickle's ``PROTO`` opcode (``0x80``), a packed one with ``MARKER``.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import torch
+
+from ._messages import Reply, SlabBatch
+
+MARKER = 0x01
+
+# marker, task_id, generation, slab_id, capacity, used, busy_s, leaf count, payload bytes
+_HEAD = struct.Struct("<BqqqqqdHI")
+# a leaf's offset in the slab, dtype (index in _DTYPES), number of dimensions; then its shape
+_LEAF = struct.Struct("<qBB")
+
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
+_DTYPE_CODES: dict[torch.dtype, int] = {dtype: code for code, dtype in enumerate(_DTYPES)}
+_MAX_DIMS = 255
+
+
+def pack_reply(message: Any) -> bytes | None:
+    """``message`` packed, or None when it is not a reply this form carries (it is pickled)."""
+    if type(message) is not Reply:
+        return None
+    result = message.result
+    if type(result) is not SlabBatch or message.stream is not None or message.dropped_slabs:
+        return None
+    leaves = result.leaves
+    parts: list[bytes] = [b"", result.payload]
+    for kind, offset, dtype, shape, strides in leaves:
+        code = _DTYPE_CODES.get(dtype)
+        if kind != "t" or strides is not None or code is None or len(shape) > _MAX_DIMS:
+            return None
+        parts.append(_LEAF.pack(offset, code, len(shape)))
+        if shape:
+            parts.append(struct.pack(f"<{len(shape)}q", *shape))
+    parts[0] = _HEAD.pack(
+        MARKER,
+        message.task_id,
+        message.generation,
+        result.slab_id,
+        result.capacity,
+        result.used,
+        message.busy_s,
+        len(leaves),
+        len(result.payload),
+    )
+    return b"".join(parts)
+
+
+def unpack_reply(frame: memoryview) -> Reply:
+    """The :class:`Reply` that :func:`pack_reply` packed into ``frame``."""
+    _, task_id, generation, slab_id, capacity, used, busy_s, n_leaves, n_payload = (
+        _HEAD.unpack_from(frame)
+    )
+    pos = _HEAD.size + n_payload
+    payload = bytes(frame[_HEAD.size : pos])
+    leaves = []
+    for _ in range(n_leaves):
+        offset, code, ndim = _LEAF.unpack_from(frame, pos)
+        pos += _LEAF.size
+        shape: tuple[int, ...] = struct.unpack_from(f"<{ndim}q", frame, pos) if ndim else ()
+        pos += 8 * ndim
+        leaves.append(("t", offset, _DTYPES[code], shape, None))
+    return Reply(
+        task_id,
+        generation,
+        SlabBatch(slab_id, capacity, used, payload, leaves),
+        None,
+        busy_s,
+        [],
+    )

@@ -1,0 +1,128 @@
+"""The packed reply (aioload._packed): the answer most batches get, read back field for field as
+the pickled one would be, and every other message still pickled, through the real channels."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import aioload
+from aioload import _packed, _transport
+from aioload._channel import ParentChannel, WorkerChannel, encode_frame
+from aioload._messages import (
+    Failure,
+    PickledBatch,
+    Reply,
+    SlabBatch,
+    StreamEnded,
+    StreamState,
+)
+
+_LONE = _transport._LONE_LEAF_PAYLOAD
+
+
+def _slab_reply(leaves: list[Any], payload: bytes = _LONE, **fields: Any) -> Reply:
+    reply = Reply(7, 3, SlabBatch(2, 1 << 20, 4096, payload, leaves), None, 0.0125, [])
+    return reply._replace(**fields)
+
+
+_PACKABLE = {
+    "lone tensor": _slab_reply([("t", 0, torch.int64, (256,), None)]),
+    "scalar leaf": _slab_reply([("t", 64, torch.float32, (), None)]),
+    "empty leaf": _slab_reply([("t", 0, torch.uint8, (0, 3), None)]),
+    "several leaves": _slab_reply(
+        [
+            ("t", 0, torch.uint8, (64, 3, 224, 224), None),
+            ("t", 9633792, torch.int64, (64,), None),
+            ("t", 9634304, torch.bool, (64, 1), None),
+        ],
+        payload=b"\x80\x05a pickled dict naming its three leaves",
+    ),
+    "every dtype": _slab_reply(
+        [("t", 64 * i, d, (2, 2), None) for i, d in enumerate(_packed._DTYPES)]
+    ),
+    "no leaves": _slab_reply([], payload=b"\x80\x05just a pickle"),
+    "large ids": _slab_reply(
+        [("t", 0, torch.float64, (3,), None)], task_id=1 << 40, generation=1 << 33
+    ),
+}
+
+_PICKLED = {
+    "numpy leaf": _slab_reply([("n", 0, np.dtype("float32"), (4,), None)]),
+    "strided leaf": _slab_reply([("t", 0, torch.float32, (4, 4), (1, 4))]),
+    "odd dtype": _slab_reply([("t", 0, torch.qint8, (4,), None)]),
+    "stream position": _slab_reply(
+        [("t", 0, torch.int64, (4,), None)], stream=StreamState(10, {"pos": 10}, False)
+    ),
+    "dropped slabs": _slab_reply([("t", 0, torch.int64, (4,), None)], dropped_slabs=[0, 1]),
+    "pickled batch": Reply(1, 0, PickledBatch(b"\x80\x05x"), None, 0.1, []),
+    "failure": Reply(1, 0, Failure("boom"), None, 0.1, []),
+    "stream ended": Reply(1, 0, StreamEnded(), None, 0.1, []),
+    "not a reply": ("t", 1),
+}
+
+
+@pytest.mark.parametrize("name", list(_PACKABLE))
+def test_a_packed_reply_reads_back_as_the_reply(name: str) -> None:
+    reply = _PACKABLE[name]
+    packed = _packed.pack_reply(reply)
+    assert packed is not None and packed[0] == _packed.MARKER
+    got = _packed.unpack_reply(memoryview(packed))
+    assert got == reply
+    # Field types too: a shape is a tuple, as the pickled reply's is (tensors are made from it).
+    assert type(got.result) is SlabBatch
+    assert [type(leaf[3]) for leaf in got.result.leaves] == [tuple] * len(reply.result.leaves)
+    assert type(got.result.payload) is bytes
+
+
+@pytest.mark.parametrize("name", list(_PICKLED))
+def test_what_the_packed_form_does_not_carry_is_pickled(name: str) -> None:
+    assert _packed.pack_reply(_PICKLED[name]) is None
+
+
+def test_packed_and_pickled_frames_share_one_socket() -> None:
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        worker = WorkerChannel(ours, pack=_packed.pack_reply)
+        parent = ParentChannel(theirs, unpack=_packed.unpack_reply)
+        sent = [*_PACKABLE.values(), *[m for k, m in _PICKLED.items() if k != "not a reply"]]
+        for message in sent:
+            worker.send(message)
+        got: list[Any] = []
+        while len(got) < len(sent):
+            got += parent.pump_in()
+        assert got == sent
+        # Each packed frame is smaller than its pickle.
+        for message in _PACKABLE.values():
+            assert len(encode_frame(message, _packed.pack_reply)) < len(encode_frame(message))
+
+
+class _Mixed(torch.utils.data.Dataset[dict[str, Any]]):
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {
+            "image": torch.full((3, 8, 8), i, dtype=torch.uint8),
+            "label": i,
+            "mask": torch.tensor([i % 2 == 0, True]),
+            "half": torch.full((2,), float(i), dtype=torch.bfloat16),
+            "np": np.full((2,), i, dtype=np.int16),
+        }
+
+
+@pytest.mark.timeout(60)
+def test_batches_through_workers_match_torchs(no_leaks: None) -> None:
+    want = list(torch.utils.data.DataLoader(_Mixed(), batch_size=5))
+    got = list(aioload.DataLoader(_Mixed(), batch_size=5, num_workers=2))
+    assert len(got) == len(want)
+    for ours, theirs in zip(got, want, strict=True):
+        assert ours.keys() == theirs.keys()
+        for key in ours:
+            assert type(ours[key]) is type(theirs[key])
+            assert ours[key].dtype == theirs[key].dtype
+            assert torch.equal(ours[key], theirs[key])
