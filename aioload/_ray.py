@@ -39,6 +39,7 @@ from typing import Any
 from . import _transport
 from ._backend import ReadableWait
 from ._fetch import PassPlan
+from ._heap import HeapPolicy
 from ._messages import (
     Answer,
     Batch,
@@ -73,6 +74,12 @@ class _ActorImpl:
         import torch
 
         torch.set_num_threads(1)
+        # The actor's process is its own, as a worker's is: its heap keeps a batch's freed
+        # samples for the next batch, as a worker's does (see _heap), instead of faulting them
+        # in again on every batch where glibc happens to give them back. Batches here are
+        # not stacked into slabs, so the trim threshold stays at its floor (64 MiB, for
+        # batches up to 32 MiB).
+        self.heap = HeapPolicy()
         # A Ray actor has its own process, as a worker does (Ray's local mode, where it would
         # share the driver's, is deprecated; there this only stacks as outside a worker).
         _transport.stack_tensors_privately()
