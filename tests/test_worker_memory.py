@@ -23,6 +23,7 @@ from aioload import _channel, _transport, _worker_main
 from aioload._messages import FreeSlabs, Task
 
 from .helpers import run_fresh
+from .scripts.datasets import MallocBatches
 
 # One "batch" made and freed with libc's own malloc: 64 blocks of 150 KiB, each written, then
 # all freed, as a worker does with a batch of decoded images. Prints the page faults per batch.
@@ -72,40 +73,9 @@ def test_the_heap_policy_leaves_a_users_malloc_settings_alone(
     assert _faults_per_batch("policy") > 0.9 * _PAGES_PER_BATCH
 
 
-class _MallocBatches(Dataset[torch.Tensor]):
-    """Each sample makes and frees a batch's worth of heap blocks, and is the page faults its
-    worker took since its previous sample."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.last: int | None = None
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        import ctypes
-        import resource
-
-        libc = ctypes.CDLL(None)
-        libc.malloc.restype = ctypes.c_void_p
-        libc.malloc.argtypes = [ctypes.c_size_t]
-        libc.free.argtypes = [ctypes.c_void_p]
-        size = 150 * 1024
-        blocks = [libc.malloc(size) for _ in range(64)]
-        for block in blocks:
-            ctypes.memset(block, 1, size)
-        for block in blocks:
-            libc.free(block)
-        now = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        faults = -1 if self.last is None else now - self.last
-        self.last = now
-        return torch.tensor(faults)
-
-
 @pytest.mark.timeout(60)
 def test_workers_keep_freed_samples_for_the_next_batch(no_leaks: None) -> None:
-    loader = aioload.DataLoader(_MallocBatches(24), batch_size=2, num_workers=2)
+    loader = aioload.DataLoader(MallocBatches(24), batch_size=2, num_workers=2)
     faults = torch.cat(list(loader)).tolist()
     # Each worker's first samples set its heap up; after that, nothing is faulted in again.
     steady = faults[8:]

@@ -28,6 +28,8 @@ from torch.utils.data import Dataset, IterableDataset
 
 import aioload
 
+from ..scripts.datasets import MallocBatches
+
 INSIDE = os.environ.get("AIOLOAD_RAY_NETNS") == "1"
 REPO = Path(__file__).resolve().parents[2]
 inner = pytest.mark.skipif(not INSIDE, reason="runs inside the private network namespace")
@@ -494,44 +496,11 @@ def test_two_node_cluster_loses_a_node_mid_epoch(
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-class _MallocBatches(Dataset[torch.Tensor]):
-    """Each sample makes and frees a batch's worth of heap blocks (64 of 150 KiB, as a batch
-    of decoded images), and is the page faults its process took since its previous sample."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.last: int | None = None
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        import ctypes
-        import resource
-
-        libc = ctypes.CDLL(None)
-        libc.malloc.restype = ctypes.c_void_p
-        libc.malloc.argtypes = [ctypes.c_size_t]
-        libc.free.argtypes = [ctypes.c_void_p]
-        size = 150 * 1024
-        blocks = [libc.malloc(size) for _ in range(64)]
-        for block in blocks:
-            ctypes.memset(block, 1, size)
-        for block in blocks:
-            libc.free(block)
-        now = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        faults = -1 if self.last is None else now - self.last
-        self.last = now
-        return torch.tensor(faults)
-
-
 @inner
 def test_actors_keep_freed_samples_for_the_next_batch(ray_workers: aioload.RayWorkers) -> None:
     # Without the heap policy (glibc's defaults: the 64 blocks coalesce at the top of the heap
     # and are given back) every sample faults its 2,400 pages in again.
-    loader = aioload.DataLoader(
-        _MallocBatches(24), batch_size=2, num_workers=2, workers=ray_workers
-    )
+    loader = aioload.DataLoader(MallocBatches(24), batch_size=2, num_workers=2, workers=ray_workers)
     faults = torch.cat(list(loader)).tolist()
     pages = 64 * 150 * 1024 // 4096
     assert max(faults[8:]) < pages // 4, faults

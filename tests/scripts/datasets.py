@@ -237,3 +237,34 @@ class DiesAt(Dataset[torch.Tensor]):
                 raise AssertionError(self.how)
             time.sleep(60)  # pragma: no cover - the signal is on its way
         return torch.tensor([i])
+
+
+class MallocBatches(Dataset[torch.Tensor]):
+    """Each sample makes and frees a batch's worth of heap blocks (64 of 150 KiB, as a batch
+    of decoded images does), and is the page faults its process took since its previous
+    sample: with the worker heap policy (aioload._heap), none after the first few."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.last: int | None = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        import resource
+
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype = ctypes.c_void_p
+        libc.malloc.argtypes = [ctypes.c_size_t]
+        libc.free.argtypes = [ctypes.c_void_p]
+        size = 150 * 1024
+        blocks = [libc.malloc(size) for _ in range(64)]
+        for block in blocks:
+            ctypes.memset(block, 1, size)
+        for block in blocks:
+            libc.free(block)
+        now = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        faults = -1 if self.last is None else now - self.last
+        self.last = now
+        return torch.tensor(faults)
