@@ -266,6 +266,42 @@ def test_small_freed_slabs_ride_along_with_the_next_task(
     assert writes <= n_batches + 10, writes
 
 
+class _LargeBatches(Dataset[torch.Tensor]):
+    """Sample i is 256 KiB full of i: a batch of 8 is a 2 MiB slab, whose frees the parent
+    sends at once and a worker waits for."""
+
+    def __len__(self) -> int:
+        return 8 * 48
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.full((64, 1024), index, dtype=torch.int32)
+
+
+def _assert_batch(k: int, batch: torch.Tensor) -> None:
+    want = torch.arange(8 * k, 8 * k + 8, dtype=torch.int32)
+    assert torch.equal(batch[:, 0, 0], want) and torch.equal(batch[:, -1, -1], want), k
+
+
+@pytest.mark.timeout(60)
+def test_large_batches_kept_or_dropped_arrive_whole(no_leaks: None) -> None:
+    """End to end, with the waits for a large slab's free: a consumer that keeps every batch
+    (its workers wait in vain, then make slabs) and one that drops each as it takes the next
+    (they wait and reuse two) both get every batch, none overwritten."""
+    loader = aioload.DataLoader(_LargeBatches(), batch_size=8, num_workers=2)
+    kept = list(loader)
+    assert len(kept) == 48
+    for k, batch in enumerate(kept):
+        _assert_batch(k, batch)
+    assert len({batch.data_ptr() for batch in kept}) == 48
+    del kept
+    for _ in range(2):
+        seen = 0
+        for k, batch in enumerate(loader):
+            _assert_batch(k, batch)
+            seen += 1
+        assert seen == 48
+
+
 class _Images(Dataset[torch.Tensor]):
     """Sample i is a 64 KiB tensor full of i: big enough to be stacked into the slab."""
 
