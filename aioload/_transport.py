@@ -301,7 +301,7 @@ class WorkerSlabPool:
         # freed a moment ago, or about to be, is reused instead.
         self.take_in_frees: Callable[[float], None] | None = None
         # How long this worker's last batch took to make (waits for a free left out): the
-        # most it waits for a free (see _patience).
+        # most it waits for a free, twice this (see _take_in_frees).
         self.batch_s = 0.0
         self.waited_s = 0.0
         self._waits_skipped = 0
