@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from aioload.bench import report, sweep
+from aioload.bench import report, runner, sweep
 from aioload.bench.__main__ import main as bench_main
 
 
@@ -124,3 +124,30 @@ def test_the_ray_section_is_kept_and_replaced_in_place(tmp_path: Path) -> None:
     assert "OLD-ROWS" not in text and text.count("## Ray workers") == 1
     assert "| cpu (batch 32) | ray | 950 | 0.95x | 2.000 ms | 500 batches/s |" in text
     assert "**0.95x** (target >= 0.9x: PASS)" in text and text.endswith("after\n")
+
+
+def test_torch_segments_of_a_runs_dead_workers_are_removed(tmp_path: Path) -> None:
+    """What torch's workers left in /dev/shm when a run stopped them mid-batch goes; what
+    belongs to a live process, or to a process that was not the run's, stays."""
+    import os
+    import subprocess
+    import sys
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    gone = int(dead.stdout)
+    names = [
+        f"torch_{gone}_123_0",
+        f"torch_{gone}_123_7",
+        f"torch_{os.getpid()}_5_0",  # alive: the run is not over for it
+        "torch_99999999_5_0",  # not the run's
+        f"aioload_{gone}",
+    ]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    assert runner.remove_torch_segments({gone, os.getpid()}, tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])

@@ -145,6 +145,8 @@ def _run_line(i: int, n: int, rec: dict[str, Any]) -> str:
         note.append(f"{rec['epochs']} epochs")
     if rec["leftover_procs"]:
         note.append(f"{rec['leftover_procs']} leftover proc(s) killed")
+    if rec.get("torch_segments_removed"):
+        note.append(f"{rec['torch_segments_removed']} /dev/shm segment(s) of torch's removed")
     return (
         f"{head} {report.fmt_ips(rec['items_per_s']):>12} "
         f"{report.fmt_ms(rec['ttfb_s']):>8} "
@@ -201,6 +203,7 @@ def _run_schedule(
             "max_tree_procs": outcome.max_tree_procs,
             "rss_samples": outcome.samples,
             "leftover_procs": outcome.leftover_procs,
+            "torch_segments_removed": outcome.torch_segments_removed,
         }
         rec.update({k: v for k, v in outcome.result.items() if k != "config"})
         runs.append(rec)
