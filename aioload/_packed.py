@@ -48,6 +48,7 @@ _DTYPES: tuple[torch.dtype, ...] = (
 )
 _DTYPE_CODES: dict[torch.dtype, int] = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _MAX_DIMS = 255
+_MAX_LEAVES = 0xFFFF  # the head's leaf count is an unsigned short
 
 
 def pack_reply(message: Any) -> bytes | None:
@@ -58,6 +59,8 @@ def pack_reply(message: Any) -> bytes | None:
     if type(result) is not SlabBatch or message.stream is not None or message.dropped_slabs:
         return None
     leaves = result.leaves
+    if len(leaves) > _MAX_LEAVES:
+        return None
     parts: list[bytes] = [b"", result.payload]
     for kind, offset, dtype, shape, strides in leaves:
         code = _DTYPE_CODES.get(dtype)
