@@ -77,9 +77,9 @@ class _ActorImpl:
         # The actor's process is its own, as a worker's is: its heap keeps a batch's freed
         # samples for the next batch, as a worker's does (see _heap), instead of faulting them
         # in again on every batch where glibc happens to give them back. Batches here are
-        # not stacked into slabs, so the trim threshold stays at its floor (64 MiB, for
-        # batches up to 32 MiB).
-        self.heap = HeapPolicy()
+        # not stacked into slabs and their size is not tracked, so the trim threshold stays
+        # at its floor (64 MiB, for batches up to 32 MiB).
+        HeapPolicy()
         # A Ray actor has its own process, as a worker does (Ray's local mode, where it would
         # share the driver's, is deprecated; there this only stacks as outside a worker).
         _transport.stack_tensors_privately()
