@@ -61,10 +61,17 @@ class WorkerBackend(Protocol):
         """Wait until ``poll`` may have something, ``wake_fd`` is readable (the pin stage),
         or ``deadline`` (``time.monotonic()`` seconds) passes. Never blocks the event loop."""
 
-    def wait_blocking(self, deadline: float, wake_fd: int | None = None) -> bool:
+    def wait_blocking(
+        self, deadline: float, wake_fd: int | None = None, awaited: int | None = None
+    ) -> bool:
         """``wait`` for the sync front end: blocks the calling thread, with no event loop.
         Returns False at once, having waited for nothing, where waiting needs a loop (an async
-        dataset in the calling process); the front end then runs ``wait`` on its own loop."""
+        dataset in the calling process); the front end then runs ``wait`` on its own loop.
+
+        ``awaited`` is the worker whose answer the consumer needs next, where the engine knows
+        it (in-order delivery): a backend may then sleep until that worker answers (or any
+        worker is lost, or ``wake_fd`` or ``deadline``) rather than until any answer arrives.
+        The others' answers are taken in at their turn."""
 
     def restart(self, worker_id: int) -> None:
         """Replace a lost worker in its slot, on this pass's plan."""

@@ -108,6 +108,8 @@ class ParentChannel:
         self._chunk = _read_buffer()
         self.fds: deque[int] = deque()
         self.closed = False
+        # Bytes the last pump_in read (the pool's waits use it: _workers._AWAIT_ONE_MAX_READ).
+        self.last_read = 0
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -158,6 +160,7 @@ class ParentChannel:
                 # descriptors may have stopped at them, with more behind: that one reads on.
                 # Whatever arrives later wakes the selector again.
                 break
+        self.last_read = read
         frames = self._split()
         # Frames that arrived before the close are handed back first; the next call, reading
         # the closed socket again, finds no frame and raises.

@@ -100,7 +100,9 @@ class InlineBackend:
             outcome = self._fetch(*self.task)
         self._answered(outcome, started)
 
-    def wait_blocking(self, deadline: float, wake_fd: int | None = None) -> bool:
+    def wait_blocking(
+        self, deadline: float, wake_fd: int | None = None, awaited: int | None = None
+    ) -> bool:
         """The sync front end's wait: a plain dataset is fetched right here (the calling thread
         has nothing else to do); an async one needs a loop to run on."""
         if self.task is None:

@@ -325,13 +325,25 @@ class Orchestrator:
             intake = True
             self._busy = True
             try:
-                if not self._backend.wait_blocking(deadline, self._wake_fd()):
+                if not self._backend.wait_blocking(deadline, self._wake_fd(), self._awaited()):
                     return PENDING
             finally:
                 self._busy = False
 
     def _deadline(self) -> float:
         return time.monotonic() + self._timeout if self._timeout > 0 else math.inf
+
+    def _awaited(self) -> int | None:
+        """The worker holding the batch the consumer needs next, if it is known to be one
+        (``wait_blocking``): in order, with no pin stage, the next task's worker. Its sibling
+        finishes its own batch about as often first as not, and a wait that any answer ends
+        woke the parent for it, to find the batch it needs still missing and sleep again:
+        0.47 wake-ups per tiny batch out of 0.97, each a context switch that also evicts the
+        workers' caches on a machine with fewer cores than processes."""
+        if not self._in_order or self._stage is not None:
+            return None
+        sent = self._inflight.get(self._rcvd_idx)
+        return sent.worker_id if sent is not None else None
 
     def _wake_fd(self) -> int | None:
         return self._stage.wake_r if self._stage is not None else None

@@ -457,7 +457,9 @@ class RayBackend:
             return
         await self._readable.wait(budget)
 
-    def wait_blocking(self, deadline: float, wake_fd: int | None = None) -> bool:
+    def wait_blocking(
+        self, deadline: float, wake_fd: int | None = None, awaited: int | None = None
+    ) -> bool:
         budget = self._before_wait(deadline, wake_fd)
         if budget > 0:
             self.selector.select(budget)

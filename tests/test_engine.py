@@ -58,6 +58,7 @@ class FakeBackend:
         self.abandoned: list[int] = []
         self.started_passes = 0
         self.max_outstanding = 0
+        self.awaited: list[tuple[int | None, dict[int, int]]] = []
 
     # -- the seam --------------------------------------------------------------------------
 
@@ -117,7 +118,11 @@ class FakeBackend:
     async def wait(self, deadline: float, wake_fd: int | None = None) -> None:
         await anyio.sleep(self._wait_s(deadline))
 
-    def wait_blocking(self, deadline: float, wake_fd: int | None = None) -> bool:
+    def wait_blocking(
+        self, deadline: float, wake_fd: int | None = None, awaited: int | None = None
+    ) -> bool:
+        # What the engine said it waits for, with what was in flight then (task id -> worker).
+        self.awaited.append((awaited, {p[2]: p[1] for p in self.pending}))
         time.sleep(self._wait_s(deadline))
         return True
 
@@ -223,6 +228,22 @@ def test_reorder_restores_sampler_order_whatever_the_answer_order() -> None:
     assert sorted(backend.answered) == list(range(12))
     engine.close()  # as the front ends do at END
     assert backend.closed, "a pass that owns its backend closes it"
+
+
+def test_a_blocking_wait_names_the_worker_whose_batch_is_next(front: str) -> None:
+    # In order, each wait of the sync front end names the worker holding the next batch (the
+    # process pool then sleeps on that worker's answers alone); out of order, no worker.
+    if front != "blocking":
+        pytest.skip("only the blocking wait is told which worker it waits for")
+    backend = FakeBackend(3, delay=lambda t: 0.002 * (12 - t))  # later tasks answer first
+    assert _drain(_engine(backend, BATCHES)) == BATCHES
+    assert len(backend.awaited) >= 3
+    for awaited, unanswered in backend.awaited:
+        assert awaited == unanswered[min(unanswered)]
+    backend = FakeBackend(3, delay=lambda t: 0.002 * (12 - t))
+    got = _drain(_engine(backend, BATCHES, in_order=False))
+    assert sorted(got) == BATCHES
+    assert backend.awaited and all(awaited is None for awaited, _ in backend.awaited)
 
 
 def test_prefetch_bounds_what_is_outstanding() -> None:

@@ -6,8 +6,9 @@ Runs ``python -m aioload.bench._one --loader aioload --mode sync --workload tiny
 batch 256, >= 4 s of steady state) under ``py-spy record`` from ``--repo`` (default: this
 checkout; point it at another checkout to profile an older version of the code), main thread
 only. Each sample is put in one step by the innermost frame that names one (``_STEPS``, then
-``_REST``); samples whose innermost frame is a blocking ``select`` are the parent asleep, not CPU,
-and are left out.
+``_REST``); samples whose innermost frame is a blocking ``select`` (or the pool's
+``_poll_blocking``: py-spy shows no C frames, so the blocking call needs a Python frame of its
+own) are the parent asleep, not CPU, and are left out.
 Each step's share of the remaining samples is scaled to the run's measured parent CPU per batch
 (``time.process_time()`` from the first to the last batch), and the medians over ``--rounds``
 fresh runs are printed as a Markdown table (docs/architecture.md, "Where the parent's time
@@ -49,7 +50,7 @@ _REST: list[tuple[str, tuple[str, ...]]] = [
     ("the consumer (the bench's touch and clocks; torch pays it too)", ("bench/",)),
     ("the rest of the engine's step (reorder, resume, stats)", ("aioload/",)),
 ]
-_ASLEEP = ("EpollSelector.select", "select.select", "poll (")
+_ASLEEP = ("EpollSelector.select", "select.select", "_poll_blocking")
 
 
 def _classify(frames: list[str]) -> str | None:

@@ -1,0 +1,125 @@
+"""The sync front end's wait for the worker whose batch is next (``WorkerPool._wait_for``).
+
+In order, ``for batch in loader`` needs one worker's answer at a time; the pool then sleeps on
+that worker's socket (and on every worker's exit) rather than on every answer, and the others'
+answers are read at their turn. These tests check what that must not cost: no batch lost or
+reordered, a lost worker noticed at once while another is awaited, and workers with answers too
+large to wait in their sockets watched all the time again.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+from torch.utils.data import Dataset, get_worker_info
+
+import aioload
+from aioload import _orchestrator, _workers
+from aioload.errors import WorkerDiedError
+
+
+class _WorkerPaced(Dataset[int]):
+    """Worker 0 takes ``slow_s`` per sample, worker 1 none: worker 1's answers arrive while
+    the consumer waits for worker 0's. ``die_in_1``: worker 1 exits in its first sample."""
+
+    def __init__(self, n: int, slow_s: float, die_in_1: bool = False) -> None:
+        self.n = n
+        self.slow_s = slow_s
+        self.die_in_1 = die_in_1
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        info = get_worker_info()
+        assert info is not None
+        if info.id == 0:
+            time.sleep(self.slow_s)
+        elif self.die_in_1:
+            os._exit(3)
+        return index
+
+
+class _Blobs(Dataset[bytes]):
+    """Samples of ``size`` bytes, which travel pickled (no tensor to put in a slab)."""
+
+    def __init__(self, n: int, size: int) -> None:
+        self.n = n
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> bytes:
+        return bytes([index % 256]) * self.size
+
+
+def _wake_ups(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """One entry per step after a wait: whether that wait brought the batch it waited for."""
+    seen: list[bool] = []
+    step_before = _orchestrator.Orchestrator._step_before
+
+    def counting(self: Any, deadline: float, intake: bool = True) -> tuple[Any, float]:
+        result = step_before(self, deadline, intake)
+        if intake:
+            seen.append(result[0] is not _orchestrator.PENDING)
+        return result
+
+    monkeypatch.setattr(_orchestrator.Orchestrator, "_step_before", counting)
+    return seen
+
+
+@pytest.mark.timeout(60)
+def test_the_other_workers_answers_wait_for_their_turn(
+    monkeypatch: pytest.MonkeyPatch, no_leaks: None
+) -> None:
+    wake_ups = _wake_ups(monkeypatch)
+    loader = aioload.DataLoader(_WorkerPaced(24, slow_s=0.01), batch_size=2, num_workers=2)
+    got = [batch.tolist() for batch in loader]
+    assert got == [[i, i + 1] for i in range(0, 24, 2)], "every batch once, in order"
+    # Worker 1 answers at once and worker 0 in 20 ms, so a wait that any answer ended would
+    # wake for worker 1's answer while worker 0's batch is due (about one wait in two).
+    assert wake_ups, "the consumer had to wait"
+    assert wake_ups.count(False) <= 1, f"woken without the awaited batch: {wake_ups}"
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_lost_while_another_is_awaited_is_noticed_at_once(
+    monkeypatch: pytest.MonkeyPatch, no_leaks: None
+) -> None:
+    # The health check (which would notice a death without any descriptor) is pushed out of
+    # reach: only the exited worker's sentinel, watched by the wait for worker 0, can end it.
+    monkeypatch.setattr(_workers, "_HEALTH_CHECK_S", 60.0)
+    loader = aioload.DataLoader(
+        _WorkerPaced(8, slow_s=30.0, die_in_1=True), batch_size=2, num_workers=2
+    )
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError):
+        next(iter(loader))
+    assert time.monotonic() - started < 10.0
+
+
+@pytest.mark.timeout(60)
+def test_answers_too_large_to_wait_in_a_socket_make_every_wait_watch_every_worker(
+    no_leaks: None,
+) -> None:
+    # 4 x 64 KiB samples a batch: an answer larger than a socket holds comfortably. The worker
+    # would block in its send until its turn, so the pool goes back to watching every worker.
+    size = 64 * 1024
+    loader = aioload.DataLoader(_Blobs(16, size), batch_size=4, num_workers=2)
+    it = iter(loader)
+    got = [next(it) for _ in range(4)]
+    pool = it._engine._backend  # type: ignore[attr-defined]
+    assert not pool._await_one
+    assert [len(b) for b in got] == [4] * 4
+    assert [b[0][:1] for b in got] == [bytes([i]) for i in range(0, 16, 4)]
+    it.close()
+    # Small answers (a tensor batch in a slab is answered in a few hundred bytes) keep it.
+    loader = aioload.DataLoader(_Blobs(16, 16), batch_size=4, num_workers=2)
+    it = iter(loader)
+    assert len([next(it) for _ in range(4)]) == 4
+    assert it._engine._backend._await_one  # type: ignore[attr-defined]
+    it.close()
