@@ -211,6 +211,32 @@ class _WorkerHandle:
         return freed
 
 
+class _Selector(selectors.DefaultSelector):
+    """The pool's selector, counting the changes to what it watches: ``WorkerPool._wait_for``
+    keeps the poll set it made from the registrations until they change."""
+
+    changes = 0
+
+    def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        self.changes += 1
+        return super().register(fileobj, events, data)
+
+    def unregister(self, fileobj: Any) -> selectors.SelectorKey:
+        self.changes += 1
+        return super().unregister(fileobj)
+
+    def modify(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        self.changes += 1
+        return super().modify(fileobj, events, data)
+
+
+class _AwaitSet(NamedTuple):
+    """A poll set for waits on one worker's answers, and the selector's keys by descriptor."""
+
+    watched: select.poll
+    keys: dict[int, selectors.SelectorKey]
+
+
 def _poll_blocking(watched: select.poll, budget: float) -> list[tuple[int, int]]:
     """``watched.poll()`` for at most ``budget`` seconds (poll takes milliseconds, and rounds
     a fraction up). A function of its own so that a profile tells the sleep from the work
@@ -258,7 +284,7 @@ class WorkerPool:
         # its last reference is dropped, often inside the garbage collector). deque.append is
         # atomic, and the queue is drained only on the orchestrator's side.
         self.releases: deque[tuple[_WorkerHandle, int]] = deque()
-        self.selector = selectors.DefaultSelector()
+        self.selector = _Selector()
         # The async front end's wait on the selector (its reader kept from wait to wait).
         self._readable = ReadableWait(self.selector.fileno())
         self._wake_fd: int | None = None
@@ -268,8 +294,12 @@ class WorkerPool:
         self._lost: list[Event] = []
         # What woke wait_blocking's select, for the poll() right after it.
         self._woken: list[tuple[selectors.SelectorKey, int]] | None = None
-        # Whether a wait may watch one worker's answers alone (see _AWAIT_ONE_MAX_READ).
+        # Whether a wait may watch one worker's answers alone (see _AWAIT_ONE_MAX_READ), and
+        # the poll sets of such waits, by awaited worker, made at the selector's count of
+        # changes in ``_await_sets_at``.
         self._await_one = True
+        self._await_sets: dict[_WorkerHandle, _AwaitSet] = {}
+        self._await_sets_at = 0
         self._owner_pid = os.getpid()
         _pools.add(self)
         self._start()
@@ -644,24 +674,19 @@ class WorkerPool:
         takes more, the wake descriptor is readable, or ``budget`` seconds pass; what woke
         it, as ``selector.select`` reports it.
 
-        The selector's registrations stay as they are (every worker's answers): the poll
-        set is made for this one wait from them, less the other workers' answers, so no
-        state outlives the wait. (Making it costs about 0.4 us more than reusing one.)"""
-        keys = self.selector.get_map()
-        watched = select.poll()
-        for key in keys.values():
-            worker, what = key.data
-            events = key.events
-            if what == "sock" and worker is not awaited:
-                events &= ~selectors.EVENT_READ  # its answers wait for their turn
-            if events:
-                watched.register(
-                    key.fd,
-                    (select.POLLIN if events & selectors.EVENT_READ else 0)
-                    | (select.POLLOUT if events & selectors.EVENT_WRITE else 0),
-                )
+        The selector's registrations stay as they are (every worker's answers): a poll set
+        per awaited worker is made from them, less the other workers' answers, and kept
+        until they change (a write watched or no longer, a worker lost or replaced, another
+        pin stage pipe). Making one costs about 2 us, most of it the selector's mapping view."""
+        if self._await_sets_at != self.selector.changes:
+            self._await_sets.clear()
+            self._await_sets_at = self.selector.changes
+        await_set = self._await_sets.get(awaited)
+        if await_set is None:
+            await_set = self._await_sets[awaited] = self._make_await_set(awaited)
+        keys = await_set.keys
         woken: list[tuple[selectors.SelectorKey, int]] = []
-        for fd, revents in _poll_blocking(watched, budget):
+        for fd, revents in _poll_blocking(await_set.watched, budget):
             key = keys[fd]
             # As selectors' own poll selector reads them: a hang-up or error is readable.
             mask = 0
@@ -671,6 +696,22 @@ class WorkerPool:
                 mask |= selectors.EVENT_WRITE
             woken.append((key, mask & key.events))
         return woken
+
+    def _make_await_set(self, awaited: _WorkerHandle) -> _AwaitSet:
+        keys = {key.fd: key for key in self.selector.get_map().values()}
+        watched = select.poll()
+        for fd, key in keys.items():
+            worker, what = key.data
+            events = key.events
+            if what == "sock" and worker is not awaited:
+                events &= ~selectors.EVENT_READ  # its answers wait for their turn
+            if events:
+                watched.register(
+                    fd,
+                    (select.POLLIN if events & selectors.EVENT_READ else 0)
+                    | (select.POLLOUT if events & selectors.EVENT_WRITE else 0),
+                )
+        return _AwaitSet(watched, keys)
 
     def _before_wait(self, deadline: float, wake_fd: int | None) -> float:
         """Send what is queued and watch ``wake_fd``; how long the wait may last (at most

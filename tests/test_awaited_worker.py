@@ -43,6 +43,24 @@ class _WorkerPaced(Dataset[int]):
         return index
 
 
+class _DiesOnce(Dataset[int]):
+    """Worker 1 exits (once: ``marker`` remembers it) in the sample ``at``."""
+
+    def __init__(self, n: int, at: int, marker: str) -> None:
+        self.n = n
+        self.at = at
+        self.marker = marker
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        if index == self.at and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os._exit(3)
+        return index
+
+
 class _Blobs(Dataset[bytes]):
     """Samples of ``size`` bytes, which travel pickled (no tensor to put in a slab)."""
 
@@ -123,3 +141,19 @@ def test_answers_too_large_to_wait_in_a_socket_make_every_wait_watch_every_worke
     assert len([next(it) for _ in range(4)]) == 4
     assert it._engine._backend._await_one  # type: ignore[attr-defined]
     it.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_replaced_worker_is_awaited_on_its_new_socket(tmp_path: Any, no_leaks: None) -> None:
+    # The poll sets kept per awaited worker must not outlive the descriptors they were made
+    # from: the replacement in slot 1 has a new socket and sentinel, and a wait on its
+    # predecessor's would never end (a set kept by slot, not by worker, hangs here).
+    loader = aioload.DataLoader(
+        _DiesOnce(40, at=13, marker=str(tmp_path / "died")),
+        batch_size=2,
+        num_workers=2,
+        max_worker_restarts=1,
+    )
+    with pytest.warns(RuntimeWarning, match="replaced it"):
+        got = [batch.tolist() for batch in loader]
+    assert got == [[i, i + 1] for i in range(0, 40, 2)]
