@@ -77,8 +77,8 @@ def load_frame(payload: bytes | memoryview) -> Any:
 
 
 # A frame is a pickle, which starts with pickle's PROTO opcode, or a message packed by the
-# channel's ``pack`` (aioload._packed: the reply most batches get), which starts with any other
-# byte and is read back by the receiving channel's ``unpack``.
+# channel's ``pack`` (aioload._packed: the reply most batches get, and every task), which starts
+# with any other byte and is read back by the receiving channel's ``unpack``.
 _PICKLE_PROTO = pickle.PROTO[0]
 Pack = Callable[[Any], "bytes | None"]
 Unpack = Callable[[memoryview], Any]
@@ -97,10 +97,13 @@ def encode_frame(message: Any, pack: Pack | None = None) -> bytes:
 class ParentChannel:
     """The parent's non-blocking end of one worker's socket."""
 
-    def __init__(self, sock: socket.socket, unpack: Unpack | None = None) -> None:
+    def __init__(
+        self, sock: socket.socket, unpack: Unpack | None = None, pack: Pack | None = None
+    ) -> None:
         sock.setblocking(False)
         self.sock = sock
         self.unpack = unpack
+        self.pack = pack
         self.inbox = bytearray()
         self.outbox = bytearray()
         # Reads land in this buffer, made once. ``recvmsg(n)`` would allocate a fresh n-byte
@@ -115,7 +118,7 @@ class ParentChannel:
         return self.sock.fileno()
 
     def queue(self, message: Any) -> None:
-        self.outbox += encode_frame(message)
+        self.outbox += encode_frame(message, self.pack)
 
     def pump_out(self) -> None:
         """Write as much of the outbox as the socket takes now."""
@@ -205,10 +208,13 @@ class ParentChannel:
 class WorkerChannel:
     """The worker's blocking end of its socket."""
 
-    def __init__(self, sock: socket.socket, pack: Pack | None = None) -> None:
+    def __init__(
+        self, sock: socket.socket, pack: Pack | None = None, unpack: Unpack | None = None
+    ) -> None:
         sock.setblocking(True)
         self.sock = sock
         self.pack = pack
+        self.unpack = unpack
         self.inbox = bytearray()
         self._chunk = _read_buffer()  # see ParentChannel
 
@@ -253,6 +259,10 @@ class WorkerChannel:
     def pop(self) -> Any:
         (size,) = _HEADER.unpack_from(self.inbox, 0)
         end = _HEADER.size + size
-        message = pickle.loads(memoryview(self.inbox)[_HEADER.size : end])
+        with memoryview(self.inbox)[_HEADER.size : end] as frame:
+            if frame[0] != _PICKLE_PROTO and self.unpack is not None:
+                message = self.unpack(frame)
+            else:
+                message = pickle.loads(frame)
         del self.inbox[:end]
         return message

@@ -14,18 +14,28 @@ Anything else (a numpy leaf, a strided leaf, a dtype not in ``_DTYPES``, a strea
 slabs the worker dropped, any other result) is pickled as before: the packed form is an
 optimisation of one common message, never a second protocol to keep in step. A pickle frame
 starts with pickle's ``PROTO`` opcode (``0x80``), a packed one with ``MARKER``.
+
+The other way, every batch costs the parent a :class:`~aioload._messages.Task`. Its indices can
+be anything a sampler yields (ints, numpy ints, keys of any kind), so they stay pickled, but as
+a plain tuple of the task's fields after ``TASK_MARKER``: pickling the named tuple itself adds
+a reference to its class (written by the parent, looked up by the worker) and a call of its
+``__getnewargs__``, 4.3 against 2.9 us to encode 256 indices and 6.2 against 5.1 us to decode
+them, in warm loops.
 """
 
 from __future__ import annotations
 
+import pickle
 import struct
 from typing import Any
 
 import torch
 
-from ._messages import Reply, SlabBatch
+from ._messages import Reply, SlabBatch, Task
 
 MARKER = 0x01
+TASK_MARKER = 0x02
+_TASK_MARKER_BYTE = bytes([TASK_MARKER])
 
 # marker, task_id, generation, slab_id, capacity, used, busy_s, leaf count, payload bytes
 _HEAD = struct.Struct("<BqqqqqdHI")
@@ -105,3 +115,18 @@ def unpack_reply(frame: memoryview) -> Reply:
         busy_s,
         [],
     )
+
+
+def pack_task(message: Any) -> bytes | None:
+    """A :class:`Task` as ``TASK_MARKER`` and the pickled tuple of its fields; None for any
+    other message (it is pickled)."""
+    if type(message) is not Task:
+        return None
+    # (Slicing a named tuple gives a plain tuple of its fields.)
+    return _TASK_MARKER_BYTE + pickle.dumps(message[:], protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack_task(frame: memoryview) -> Task:
+    """The :class:`Task` that :func:`pack_task` packed into ``frame``."""
+    with frame[1:] as fields:
+        return Task._make(pickle.loads(fields))

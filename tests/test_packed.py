@@ -1,5 +1,6 @@
-"""The packed reply (aioload._packed): the answer most batches get, read back field for field as
-the pickled one would be, and every other message still pickled, through the real channels."""
+"""The packed reply and task (aioload._packed): the answer most batches get and every task, read
+back field for field as the pickled ones would be, and every other message still pickled,
+through the real channels."""
 
 from __future__ import annotations
 
@@ -13,13 +14,17 @@ import torch
 import aioload
 from aioload import _packed, _transport
 from aioload._channel import ParentChannel, WorkerChannel, encode_frame
+from aioload._fetch import PassPlan
 from aioload._messages import (
     Failure,
+    FreeSlabs,
     PickledBatch,
     Reply,
+    Reset,
     SlabBatch,
     StreamEnded,
     StreamState,
+    Task,
 )
 
 _LONE = _transport._LONE_LEAF_PAYLOAD
@@ -105,6 +110,65 @@ def test_packed_and_pickled_frames_share_one_socket() -> None:
         # Each packed frame is smaller than its pickle.
         for message in _PACKABLE.values():
             assert len(encode_frame(message, _packed.pack_reply)) < len(encode_frame(message))
+
+
+# Indices are whatever the sampler yields: each kind must come back as it went, type included.
+_TASKS = {
+    "ints": Task(5, 2, list(range(1000, 1256))),
+    "freed slabs": Task(6, 2, [3, 1, 2], (4, 9)),
+    "numpy ints": Task(7, 0, [np.int64(3), np.int32(4)]),
+    "a tensor of indices": Task(8, 0, torch.arange(4)),
+    "keys": Task(9, 1, ["a/b.jpg", ("shard", 3), {"row": 2}]),
+    "one index (no automatic batching)": Task(10, 0, 17),
+    "huge ids": Task(2**40, 2**33, [2**62]),
+}
+
+
+@pytest.mark.parametrize("name", list(_TASKS))
+def test_a_task_is_read_back_as_it_was_sent(name: str) -> None:
+    task = _TASKS[name]
+    frame = _packed.pack_task(task)
+    assert frame is not None and frame[0] == _packed.TASK_MARKER
+    got = _packed.unpack_task(memoryview(frame))
+    assert type(got) is Task
+    assert got.task_id == task.task_id and got.generation == task.generation
+    assert got.freed_slabs == task.freed_slabs
+    if isinstance(task.indices, torch.Tensor):
+        assert torch.equal(got.indices, task.indices)
+    else:
+        assert got.indices == task.indices
+        assert [type(i) for i in _as_list(got.indices)] == [type(i) for i in _as_list(task.indices)]
+    # Smaller than the pickled Task: no reference to its class.
+    assert len(frame) < len(encode_frame(task))
+
+
+def _as_list(indices: Any) -> list[Any]:
+    return list(indices) if isinstance(indices, list) else [indices]
+
+
+def test_tasks_and_pickled_messages_share_one_socket() -> None:
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        parent = ParentChannel(ours, unpack=_packed.unpack_reply, pack=_packed.pack_task)
+        worker = WorkerChannel(theirs, pack=_packed.pack_reply, unpack=_packed.unpack_task)
+        sent = [
+            FreeSlabs([1, 2]),
+            *[_TASKS[name] for name in ("ints", "freed slabs", "keys")],
+            Reset(3, PassPlan()),
+            _TASKS["huge ids"],
+        ]
+        assert _packed.pack_task(FreeSlabs([1])) is None
+        assert _packed.pack_task(Reset(3, PassPlan())) is None
+        for message in sent:
+            parent.queue(message)
+        parent.pump_out()
+        got: list[Any] = []
+        while len(got) < len(sent):
+            worker.fill(wait=True)
+            while worker.has_frame():
+                got.append(worker.pop())
+        assert got == sent
+        assert [type(m) for m in got] == [type(m) for m in sent]
 
 
 class _Mixed(torch.utils.data.Dataset[dict[str, Any]]):
