@@ -15,12 +15,14 @@ slabs the worker dropped, any other result) is pickled as before: the packed for
 optimisation of one common message, never a second protocol to keep in step. A pickle frame
 starts with pickle's ``PROTO`` opcode (``0x80``), a packed one with ``MARKER``.
 
-The other way, every batch costs the parent a :class:`~aioload._messages.Task`. Its indices can
-be anything a sampler yields (ints, numpy ints, keys of any kind), so they stay pickled, but as
-a plain tuple of the task's fields after ``TASK_MARKER``: pickling the named tuple itself adds
-a reference to its class (written by the parent, looked up by the worker) and a call of its
-``__getnewargs__``, 4.3 against 2.9 us to encode 256 indices and 6.2 against 5.1 us to decode
-them, in warm loops.
+The other way, every batch costs the parent a :class:`~aioload._messages.Task`, and a batch of
+a megabyte or more a :class:`~aioload._messages.FreeSlabs` when the consumer drops it. A task's
+indices can be anything a sampler yields (ints, numpy ints, keys of any kind), so they stay
+pickled, but as a plain tuple of the task's fields after ``TASK_MARKER``: pickling the named
+tuple itself adds a reference to its class (written by the parent, looked up by the worker) and
+a call of its ``__getnewargs__``, 4.3 against 2.9 us to encode 256 indices and 6.2 against
+5.1 us to decode them, in warm loops. Slab ids are ints: ``FREE_MARKER`` and a ``struct``
+array of them.
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ from typing import Any
 
 import torch
 
-from ._messages import Reply, SlabBatch, Task
+from ._messages import FreeSlabs, Reply, SlabBatch, Task
 
 MARKER = 0x01
 TASK_MARKER = 0x02
+FREE_MARKER = 0x03
 _TASK_MARKER_BYTE = bytes([TASK_MARKER])
+_FREE_MARKER_BYTE = bytes([FREE_MARKER])
 
 # marker, task_id, generation, slab_id, capacity, used, busy_s, leaf count, payload bytes
 _HEAD = struct.Struct("<BqqqqqdHI")
@@ -117,16 +121,23 @@ def unpack_reply(frame: memoryview) -> Reply:
     )
 
 
-def pack_task(message: Any) -> bytes | None:
-    """A :class:`Task` as ``TASK_MARKER`` and the pickled tuple of its fields; None for any
-    other message (it is pickled)."""
-    if type(message) is not Task:
-        return None
-    # (Slicing a named tuple gives a plain tuple of its fields.)
-    return _TASK_MARKER_BYTE + pickle.dumps(message[:], protocol=pickle.HIGHEST_PROTOCOL)
+def pack_to_worker(message: Any) -> bytes | None:
+    """A :class:`Task` as ``TASK_MARKER`` and the pickled tuple of its fields, a
+    :class:`FreeSlabs` as ``FREE_MARKER`` and its slab ids; None for any other message (it is
+    pickled)."""
+    kind = type(message)
+    if kind is Task:
+        # (Slicing a named tuple gives a plain tuple of its fields.)
+        return _TASK_MARKER_BYTE + pickle.dumps(message[:], protocol=pickle.HIGHEST_PROTOCOL)
+    if kind is FreeSlabs:
+        ids = message.slab_ids
+        return _FREE_MARKER_BYTE + struct.pack(f"<{len(ids)}q", *ids)
+    return None
 
 
-def unpack_task(frame: memoryview) -> Task:
-    """The :class:`Task` that :func:`pack_task` packed into ``frame``."""
-    with frame[1:] as fields:
-        return Task._make(pickle.loads(fields))
+def unpack_to_worker(frame: memoryview) -> Task | FreeSlabs:
+    """The message that :func:`pack_to_worker` packed into ``frame``."""
+    with frame[1:] as body:
+        if frame[0] == TASK_MARKER:
+            return Task._make(pickle.loads(body))
+        return FreeSlabs(list(struct.unpack(f"<{len(body) // 8}q", body)))

@@ -60,7 +60,7 @@ from ._messages import (
     Task,
     ToWorker,
 )
-from ._packed import pack_reply, unpack_task
+from ._packed import pack_reply, unpack_to_worker
 from .errors import WorkerError
 
 if TYPE_CHECKING:
@@ -292,7 +292,7 @@ def worker_main(config: WorkerConfig, sock: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     _transport.stack_tensors_privately()
-    channel = WorkerChannel(sock, pack=pack_reply, unpack=unpack_task)
+    channel = WorkerChannel(sock, pack=pack_reply, unpack=unpack_to_worker)
     # ChannelClosed and friends: the parent is gone or shut us down.
     with contextlib.suppress(ChannelClosed, BrokenPipeError, ConnectionResetError):
         _ProcessWorker(config, channel).run()

@@ -44,7 +44,7 @@ from ._messages import (
     ValueBatch,
     WorkerLost,
 )
-from ._packed import pack_task, unpack_reply
+from ._packed import pack_to_worker, unpack_reply
 from ._transport import EAGER_FREE_BYTES, SlabMappings
 from .errors import WorkerDiedError
 
@@ -346,7 +346,7 @@ class WorkerPool:
         """A worker's socket and handle, before its process: what the parent sends it waits
         in the socket until the fork."""
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        channel = ParentChannel(parent_sock, unpack=unpack_reply, pack=pack_task)
+        channel = ParentChannel(parent_sock, unpack=unpack_reply, pack=pack_to_worker)
         # Registered before any fork, so that the worker (and any other process forked from
         # here) closes its inherited copy of our end (see _disown_after_fork): holding it, a
         # worker would never see EOF from us.

@@ -127,9 +127,9 @@ _TASKS = {
 @pytest.mark.parametrize("name", list(_TASKS))
 def test_a_task_is_read_back_as_it_was_sent(name: str) -> None:
     task = _TASKS[name]
-    frame = _packed.pack_task(task)
+    frame = _packed.pack_to_worker(task)
     assert frame is not None and frame[0] == _packed.TASK_MARKER
-    got = _packed.unpack_task(memoryview(frame))
+    got = _packed.unpack_to_worker(memoryview(frame))
     assert type(got) is Task
     assert got.task_id == task.task_id and got.generation == task.generation
     assert got.freed_slabs == task.freed_slabs
@@ -142,6 +142,15 @@ def test_a_task_is_read_back_as_it_was_sent(name: str) -> None:
     assert len(frame) < len(encode_frame(task))
 
 
+@pytest.mark.parametrize("slab_ids", [[], [0], [3, 1, 2], [2**40]])
+def test_freed_slabs_are_read_back_as_they_were_sent(slab_ids: list[int]) -> None:
+    frame = _packed.pack_to_worker(FreeSlabs(slab_ids))
+    assert frame is not None and frame[0] == _packed.FREE_MARKER
+    got = _packed.unpack_to_worker(memoryview(frame))
+    assert type(got) is FreeSlabs and got.slab_ids == slab_ids
+    assert [type(i) for i in got.slab_ids] == [int] * len(slab_ids)
+
+
 def _as_list(indices: Any) -> list[Any]:
     return list(indices) if isinstance(indices, list) else [indices]
 
@@ -149,16 +158,16 @@ def _as_list(indices: Any) -> list[Any]:
 def test_tasks_and_pickled_messages_share_one_socket() -> None:
     ours, theirs = socket.socketpair()
     with ours, theirs:
-        parent = ParentChannel(ours, unpack=_packed.unpack_reply, pack=_packed.pack_task)
-        worker = WorkerChannel(theirs, pack=_packed.pack_reply, unpack=_packed.unpack_task)
+        parent = ParentChannel(ours, unpack=_packed.unpack_reply, pack=_packed.pack_to_worker)
+        worker = WorkerChannel(theirs, pack=_packed.pack_reply, unpack=_packed.unpack_to_worker)
         sent = [
             FreeSlabs([1, 2]),
+            Reset(3, PassPlan()),
             *[_TASKS[name] for name in ("ints", "freed slabs", "keys")],
             Reset(3, PassPlan()),
             _TASKS["huge ids"],
         ]
-        assert _packed.pack_task(FreeSlabs([1])) is None
-        assert _packed.pack_task(Reset(3, PassPlan())) is None
+        assert _packed.pack_to_worker(Reset(3, PassPlan())) is None  # pickled
         for message in sent:
             parent.queue(message)
         parent.pump_out()
