@@ -71,7 +71,7 @@ class WorkerBackend(Protocol):
         ``awaited`` is the worker whose answer the consumer needs next, where the engine knows
         it (in-order delivery): a backend may then sleep until that worker answers (or any
         worker is lost, or ``wake_fd`` or ``deadline``) rather than until any answer arrives.
-        The others' answers are taken in at their turn."""
+        The others' answers are taken in by the ``poll`` after the wait."""
 
     def restart(self, worker_id: int) -> None:
         """Replace a lost worker in its slot, on this pass's plan."""

@@ -61,9 +61,10 @@ SHUTDOWN_GRACE_S = 0.5
 # none is known) is still noticed.
 _HEALTH_CHECK_S = 1.0
 # A wait for one worker's answer (``wait_blocking``'s ``awaited``) leaves the others' answers in
-# their sockets until their turn. A worker whose answers outgrow its socket's buffer (about
-# 200 KiB) would then block in its send, instead of starting its next batch, until that turn:
-# once one read from a worker brings in more than this, the pool's waits watch every worker.
+# their sockets until the parent wakes for it. A worker whose answers outgrow its socket's
+# buffer (about 200 KiB) would then block in its send, instead of starting its next batch,
+# until then: once one read from a worker brings in more than this, the pool's waits watch
+# every worker.
 # (A batch in a slab is answered in a few hundred bytes; a pickled one can be any size.)
 _AWAIT_ONE_MAX_READ = 64 * 1024
 
@@ -230,13 +231,6 @@ class _Selector(selectors.DefaultSelector):
         return super().modify(fileobj, events, data)
 
 
-class _AwaitSet(NamedTuple):
-    """A poll set for waits on one worker's answers, and the selector's keys by descriptor."""
-
-    watched: select.poll
-    keys: dict[int, selectors.SelectorKey]
-
-
 def _poll_blocking(watched: select.poll, budget: float) -> list[tuple[int, int]]:
     """``watched.poll()`` for at most ``budget`` seconds (poll takes milliseconds, and rounds
     a fraction up). A function of its own so that a profile tells the sleep from the work
@@ -298,7 +292,7 @@ class WorkerPool:
         # the poll sets of such waits, by awaited worker, made at the selector's count of
         # changes in ``_await_sets_at``.
         self._await_one = True
-        self._await_sets: dict[_WorkerHandle, _AwaitSet] = {}
+        self._await_sets: dict[_WorkerHandle, select.poll] = {}
         self._await_sets_at = 0
         self._owner_pid = os.getpid()
         _pools.add(self)
@@ -654,64 +648,54 @@ class WorkerPool:
         self, deadline: float, wake_fd: int | None = None, awaited: int | None = None
     ) -> bool:
         """``wait`` in the calling thread: the selector itself blocks, or with ``awaited``
-        (and small answers) a ``poll`` of that worker's socket and what every wait watches
-        besides answers (``_wait_for``). What woke it is kept for the ``poll`` that follows,
-        which then needs no select of its own."""
+        (and small answers) a ``poll`` of that worker's socket and of what every wait watches
+        besides answers (``_wait_for``). What the selector's wait saw is kept for the ``poll``
+        that follows, which then needs no select of its own; after a ``_wait_for`` it selects
+        afresh, and so takes in every worker's answers that are here, not only the awaited
+        one's (the others' wait for their turn in the reorder buffer, as before, and
+        ``LoaderStats`` counts them as waiting there, not as in flight)."""
         budget = self._before_wait(deadline, wake_fd)
         if budget > 0:
             if awaited is not None and self._await_one:
-                self._woken = self._wait_for(self.workers[awaited], budget)
+                woken = self._wait_for(self.workers[awaited], budget)
             else:
                 self._woken = self.selector.select(budget)
-            if not self._woken:
+                woken = bool(self._woken)
+            if not woken:
                 self._check_health()  # as in wait(): only when nothing woke us
         return True
 
-    def _wait_for(
-        self, awaited: _WorkerHandle, budget: float
-    ) -> list[tuple[selectors.SelectorKey, int]]:
-        """Sleep until ``awaited`` answers, a worker exits, a socket with an outbox left
-        takes more, the wake descriptor is readable, or ``budget`` seconds pass; what woke
-        it, as ``selector.select`` reports it.
+    def _wait_for(self, awaited: _WorkerHandle, budget: float) -> bool:
+        """Sleep until ``awaited`` answers, a worker exits, a socket with an outbox left takes
+        more, the wake descriptor is readable, or ``budget`` seconds pass; whether anything
+        woke it.
 
         The selector's registrations stay as they are (every worker's answers): a poll set
-        per awaited worker is made from them, less the other workers' answers, and kept
-        until they change (a write watched or no longer, a worker lost or replaced, another
-        pin stage pipe). Making one costs about 2 us, most of it the selector's mapping view."""
+        per awaited worker is made from them, less the other workers' answers, and kept until
+        they change (a write watched or no longer, a worker lost or replaced, another pin
+        stage pipe). Making one costs about 2 us, most of it the selector's mapping view."""
         if self._await_sets_at != self.selector.changes:
             self._await_sets.clear()
             self._await_sets_at = self.selector.changes
-        await_set = self._await_sets.get(awaited)
-        if await_set is None:
-            await_set = self._await_sets[awaited] = self._make_await_set(awaited)
-        keys = await_set.keys
-        woken: list[tuple[selectors.SelectorKey, int]] = []
-        for fd, revents in _poll_blocking(await_set.watched, budget):
-            key = keys[fd]
-            # As selectors' own poll selector reads them: a hang-up or error is readable.
-            mask = 0
-            if revents & ~select.POLLOUT:
-                mask |= selectors.EVENT_READ
-            if revents & ~select.POLLIN:
-                mask |= selectors.EVENT_WRITE
-            woken.append((key, mask & key.events))
-        return woken
+        watched = self._await_sets.get(awaited)
+        if watched is None:
+            watched = self._await_sets[awaited] = self._await_set(awaited)
+        return bool(_poll_blocking(watched, budget))
 
-    def _make_await_set(self, awaited: _WorkerHandle) -> _AwaitSet:
-        keys = {key.fd: key for key in self.selector.get_map().values()}
+    def _await_set(self, awaited: _WorkerHandle) -> select.poll:
         watched = select.poll()
-        for fd, key in keys.items():
+        for key in self.selector.get_map().values():
             worker, what = key.data
             events = key.events
             if what == "sock" and worker is not awaited:
-                events &= ~selectors.EVENT_READ  # its answers wait for their turn
+                events &= ~selectors.EVENT_READ  # its answers do not end this wait
             if events:
                 watched.register(
-                    fd,
+                    key.fd,
                     (select.POLLIN if events & selectors.EVENT_READ else 0)
                     | (select.POLLOUT if events & selectors.EVENT_WRITE else 0),
                 )
-        return _AwaitSet(watched, keys)
+        return watched
 
     def _before_wait(self, deadline: float, wake_fd: int | None) -> float:
         """Send what is queued and watch ``wake_fd``; how long the wait may last (at most

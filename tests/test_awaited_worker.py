@@ -2,7 +2,7 @@
 
 In order, ``for batch in loader`` needs one worker's answer at a time; the pool then sleeps on
 that worker's socket (and on every worker's exit) rather than on every answer, and the others'
-answers are read at their turn. These tests check what that must not cost: no batch lost or
+answers are read when it wakes. These tests check what that must not cost: no batch lost or
 reordered, a lost worker noticed at once while another is awaited, and workers with answers too
 large to wait in their sockets watched all the time again.
 """
@@ -91,7 +91,7 @@ def _wake_ups(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 
 
 @pytest.mark.timeout(60)
-def test_the_other_workers_answers_wait_for_their_turn(
+def test_the_other_workers_answers_do_not_wake_the_consumer(
     monkeypatch: pytest.MonkeyPatch, no_leaks: None
 ) -> None:
     wake_ups = _wake_ups(monkeypatch)
