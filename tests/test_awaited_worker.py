@@ -19,6 +19,7 @@ from torch.utils.data import Dataset, get_worker_info
 import aioload
 from aioload import _orchestrator, _workers
 from aioload.errors import WorkerDiedError
+from tests.scripts.datasets import KillsItselfOnce
 
 
 class _WorkerPaced(Dataset[int]):
@@ -39,24 +40,6 @@ class _WorkerPaced(Dataset[int]):
         if info.id == 0:
             time.sleep(self.slow_s)
         elif self.die_in_1:
-            os._exit(3)
-        return index
-
-
-class _DiesOnce(Dataset[int]):
-    """Worker 1 exits (once: ``marker`` remembers it) in the sample ``at``."""
-
-    def __init__(self, n: int, at: int, marker: str) -> None:
-        self.n = n
-        self.at = at
-        self.marker = marker
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> int:
-        if index == self.at and not os.path.exists(self.marker):
-            open(self.marker, "w").close()
             os._exit(3)
         return index
 
@@ -144,16 +127,43 @@ def test_answers_too_large_to_wait_in_a_socket_make_every_wait_watch_every_worke
 
 
 @pytest.mark.timeout(60)
-def test_a_replaced_worker_is_awaited_on_its_new_socket(tmp_path: Any, no_leaks: None) -> None:
+def test_a_replaced_worker_is_awaited_on_its_new_socket(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, no_leaks: None
+) -> None:
     # The poll sets kept per awaited worker must not outlive the descriptors they were made
-    # from: the replacement in slot 1 has a new socket and sentinel, and a wait on its
-    # predecessor's would never end (a set kept by slot, not by worker, hangs here).
+    # from: the replacement in slot 0 (batch 6 is worker 0's) has a new socket and sentinel,
+    # and a poll of its predecessor's closed ones either never ends or returns at once, every
+    # time (POLLNVAL): a set kept by slot, not by worker, hangs here or spins. The kernel may
+    # hand the replacement its predecessor's numbers again, which would hide that, so a few
+    # descriptors are taken first.
+    taken: list[int] = []
+    spawn = _workers.WorkerPool._spawn
+
+    def spawn_elsewhere(self: Any, worker_id: int) -> Any:
+        taken.extend(os.dup(0) for _ in range(4))
+        return spawn(self, worker_id)
+
+    polls: list[int] = []
+    poll_blocking = _workers._poll_blocking
+
+    def counting(watched: Any, budget: float) -> list[tuple[int, int]]:
+        polls.append(1)
+        return poll_blocking(watched, budget)
+
+    monkeypatch.setattr(_workers.WorkerPool, "_spawn", spawn_elsewhere)
+    monkeypatch.setattr(_workers, "_poll_blocking", counting)
     loader = aioload.DataLoader(
-        _DiesOnce(40, at=13, marker=str(tmp_path / "died")),
+        KillsItselfOnce(40, at=13, marker=tmp_path / "killed"),
         batch_size=2,
         num_workers=2,
         max_worker_restarts=1,
     )
-    with pytest.warns(RuntimeWarning, match="replaced it"):
-        got = [batch.tolist() for batch in loader]
+    try:
+        with pytest.warns(RuntimeWarning, match="replaced it"):
+            got = [batch.tolist() for batch in loader]
+    finally:
+        for fd in taken:
+            os.close(fd)
+    assert taken, "a worker was replaced"
     assert got == [[i, i + 1] for i in range(0, 40, 2)]
+    assert 0 < len(polls) <= 2 * len(got), f"{len(polls)} waits for {len(got)} batches"

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 import warnings
 from collections.abc import Iterator
@@ -20,7 +18,7 @@ import aioload
 import aioload.loader
 from aioload._pinning import Transfer
 from aioload.stats import RESERVOIR_SIZE, PassStats
-from tests.scripts.datasets import Numbers
+from tests.scripts.datasets import KillsItselfOnce, Numbers
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,25 +34,6 @@ class Shards(IterableDataset[torch.Tensor]):
         worker, count = (info.id, info.num_workers) if info is not None else (0, 1)
         for i in range(worker, self.n, count):
             yield torch.tensor(i)
-
-
-class KillsItselfOnce(Dataset[int]):
-    """SIGKILLs its worker the first time it reaches ``at`` (a marker file remembers)."""
-
-    def __init__(self, n: int, at: int, marker: Path) -> None:
-        self.n = n
-        self.at = at
-        self.marker = str(marker)
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        if i == self.at and not os.path.exists(self.marker):
-            with open(self.marker, "w"):
-                pass
-            os.kill(os.getpid(), signal.SIGKILL)
-        return i
 
 
 def _consume(loader: Any, mode: str, pause: float = 0.0, stop_after: int | None = None) -> int:

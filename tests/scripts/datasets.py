@@ -268,3 +268,22 @@ class MallocBatches(Dataset[torch.Tensor]):
         faults = -1 if self.last is None else now - self.last
         self.last = now
         return torch.tensor(faults)
+
+
+class KillsItselfOnce(Dataset[int]):
+    """SIGKILLs its worker the first time it reaches ``at`` (a marker file remembers)."""
+
+    def __init__(self, n: int, at: int, marker: Path) -> None:
+        self.n = n
+        self.at = at
+        self.marker = str(marker)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i == self.at and not os.path.exists(self.marker):
+            with open(self.marker, "w"):
+                pass
+            os.kill(os.getpid(), signal.SIGKILL)
+        return i
