@@ -77,8 +77,9 @@ def load_frame(payload: bytes | memoryview) -> Any:
 
 
 # A frame is a pickle, which starts with pickle's PROTO opcode, or a message packed by the
-# channel's ``pack`` (aioload._packed: the reply most batches get, and every task), which starts
-# with any other byte and is read back by the receiving channel's ``unpack``.
+# channel's ``pack`` (aioload._packed: the reply most batches get, every task and every list of
+# freed slabs), which starts with any other byte and is read back by the receiving channel's
+# ``unpack``.
 _PICKLE_PROTO = pickle.PROTO[0]
 Pack = Callable[[Any], "bytes | None"]
 Unpack = Callable[[memoryview], Any]

@@ -657,6 +657,7 @@ class WorkerPool:
         budget = self._before_wait(deadline, wake_fd)
         if budget > 0:
             if awaited is not None and self._await_one:
+                self._woken = None  # the poll() after it selects afresh
                 woken = self._wait_for(self.workers[awaited], budget)
             else:
                 self._woken = self.selector.select(budget)
