@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from aioload.bench import report, runner, sweep
+from aioload.bench import machine_profile, report, runner, sweep
 from aioload.bench.__main__ import main as bench_main
 
 
@@ -151,3 +151,29 @@ def test_torch_segments_of_a_runs_dead_workers_are_removed(tmp_path: Path) -> No
         (tmp_path / name).write_bytes(b"x")
     assert runner.remove_torch_segments({gone, os.getpid()}, tmp_path) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])
+
+
+def test_machine_profile_sorts_perf_rows_into_categories() -> None:
+    # Rows as `perf report --stdio --no-children -g none --sort comm,dso,sym` prints them.
+    text = """\
+# Samples: 8K of event 'cpu-clock'
+#
+    32.61%  python     libc.so.6                  [.] __memmove_avx512_unaligned_erms
+    27.48%  python     libtorch_cpu.so            [.] c10::function_ref<void (char**, long const*, long, long)>::callback_fn<at::native::AVX2::direct_copy_kernel(at::TensorIteratorBase&)::{lambda()#3}>
+     5.60%  swapper    [kernel.kallsyms]          [k] pv_native_safe_halt
+     5.00%  python     libpython3.11.so.1.0       [.] _PyEval_EvalFrameDefault
+     0.68%  python     [kernel.kallsyms]          [k] _raw_spin_unlock_irqrestore
+     0.57%  python     libtorch_cpu.so            [.] c10::impl::OperatorEntry::lookup
+     0.50%  python     libc.so.6                  [.] malloc
+     0.20%  kdamond.0  [kernel.kallsyms]          [k] damon_rand
+"""
+    shares, rows = machine_profile.parse_report(text)
+    assert len(rows) == 8
+    assert shares[machine_profile.STACK] == pytest.approx(32.61)
+    assert shares[machine_profile.CLONE] == pytest.approx(27.48)
+    assert shares[machine_profile.IDLE] == pytest.approx(5.60)
+    assert shares[machine_profile.PYTHON] == pytest.approx(5.00)
+    assert shares[machine_profile.KERNEL] == pytest.approx(0.88)
+    assert shares[machine_profile.TORCH] == pytest.approx(0.57)
+    assert shares[machine_profile.OTHER] == pytest.approx(0.50)
+    assert sum(shares.values()) == pytest.approx(sum(share for share, _ in rows))

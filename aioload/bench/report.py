@@ -360,7 +360,7 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _git_rev() -> str:
+def git_rev() -> str:
     try:
         res = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -396,7 +396,7 @@ def machine_info() -> dict[str, Any]:
         "aioload": _version("aioload"),
         "uvloop": _version("uvloop"),
         "numpy": _version("numpy"),
-        "git_rev": _git_rev(),
+        "git_rev": git_rev(),
         "date_utc": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
     }
 
