@@ -523,6 +523,12 @@ def render_markdown(meta: dict[str, Any], rows: list[SummaryRow], png_name: str)
             *(Target(**t).line() for t in meta["targets"]),
             "```",
             "",
+            "Where the figures come from: the parent's CPU per batch in [Where the parent's time "
+            "goes](architecture.md#where-the-parents-time-goes) (`python -m "
+            "aioload.bench.parent_profile`), and what keeps `image` below its floor in [Why "
+            "image stays below its floor](architecture.md#why-image-stays-below-its-floor) "
+            "(`python -m aioload.bench.machine_profile`).",
+            "",
         ]
     if meta.get("peers_absent"):
         out += [
