@@ -110,7 +110,7 @@ def _run_one(
         run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         try:
             time.sleep(2.5)  # start-up and the first batches
-            subprocess.run(
+            recorded = subprocess.run(
                 [
                     perf,
                     "record",
@@ -126,11 +126,14 @@ def _run_one(
                     "sleep",
                     str(seconds),
                 ],
-                check=True,
                 stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
                 timeout=seconds + 60,
             )
+            if recorded.returncode != 0:
+                # Not allowed to sample the whole system, most often.
+                raise SystemExit(f"perf record failed: {recorded.stderr.strip()}")
             out, _ = run.communicate(timeout=300)
         finally:
             if run.poll() is None:
