@@ -64,6 +64,20 @@ def flat(batches: Any) -> list[int]:
     return [int(x) for batch in batches for x in batch]
 
 
+def live_children(recursive: bool = False) -> list[psutil.Process]:
+    """This process's children still running. A zombie counts as gone, and so does a child
+    that exits between the listing and the look at its status (psutil then raises
+    NoSuchProcess): a thread that kills workers must not die of the one it just killed."""
+    out = []
+    for proc in psutil.Process().children(recursive=recursive):
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def alive(pids: list[int] | set[int]) -> list[int]:
     """The pids still running; a zombie (dead, not yet reaped) counts as gone."""
     out = []

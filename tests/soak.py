@@ -54,7 +54,12 @@ def counts() -> dict[str, int]:
 
 
 def kill_a_worker(rng: random.Random) -> None:
-    workers = [p for p in psutil.Process().children() if p.status() != psutil.STATUS_ZOMBIE]
+    workers = []
+    for proc in psutil.Process().children():
+        # A worker that exits between the listing and the look is not there to kill.
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                workers.append(proc)
     if workers:
         with contextlib.suppress(ProcessLookupError):
             os.kill(rng.choice(workers).pid, signal.SIGKILL)

@@ -30,7 +30,13 @@ _SCRIPT = textwrap.dedent(
         me = psutil.Process()
         end = time.monotonic() + deadline_s
         while True:
-            alive = [c for c in me.children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
+            alive = []
+            for c in me.children(recursive=True):
+                try:
+                    if c.status() != psutil.STATUS_ZOMBIE:
+                        alive.append(c)
+                except psutil.NoSuchProcess:
+                    pass  # reaped between the listing and the look
             if not alive or time.monotonic() > end:
                 return len(alive)
             time.sleep(0.02)
