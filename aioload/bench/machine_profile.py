@@ -65,20 +65,16 @@ def categorize(comm: str, dso: str, symbol: str) -> str:
     return OTHER
 
 
-def parse_report(text: str) -> tuple[dict[str, float], list[tuple[float, str]]]:
-    """Shares per category (percent of all samples) and the rows, from the text of
+def parse_report(text: str) -> dict[str, float]:
+    """Shares per category (percent of all samples), from the text of
     ``perf report --stdio --no-children -g none --sort comm,dso,sym``."""
     shares = dict.fromkeys(CATEGORIES, 0.0)
-    rows: list[tuple[float, str]] = []
     for line in text.splitlines():
         match = _LINE.match(line)
-        if match is None:
-            continue
-        percent, comm, dso, _kind, symbol = match.groups()
-        share = float(percent)
-        shares[categorize(comm, dso, symbol)] += share
-        rows.append((share, f"{comm} {dso} {symbol}"))
-    return shares, rows
+        if match is not None:
+            percent, comm, dso, _kind, symbol = match.groups()
+            shares[categorize(comm, dso, symbol)] += float(percent)
+    return shares
 
 
 def _run_one(
@@ -160,8 +156,7 @@ def _run_one(
     lines = [line for line in out.splitlines() if line.startswith("{")]
     if not lines:
         raise SystemExit(f"the {loader} run printed no result")
-    shares, _rows = parse_report(report)
-    return shares, float(json.loads(lines[-1])["items_per_s"])
+    return parse_report(report), float(json.loads(lines[-1])["items_per_s"])
 
 
 def main(argv: list[str] | None = None) -> int:
