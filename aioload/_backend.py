@@ -57,9 +57,12 @@ class WorkerBackend(Protocol):
         """Send what was submitted; return every answer and loss that has arrived, without
         waiting. A lost worker's answers sent before it died come first."""
 
-    async def wait(self, deadline: float, wake_fd: int | None = None) -> None:
+    async def wait(
+        self, deadline: float, wake_fd: int | None = None, awaited: int | None = None
+    ) -> None:
         """Wait until ``poll`` may have something, ``wake_fd`` is readable (the pin stage),
-        or ``deadline`` (``time.monotonic()`` seconds) passes. Never blocks the event loop."""
+        or ``deadline`` (``time.monotonic()`` seconds) passes. Never blocks the event loop.
+        ``awaited``: as in ``wait_blocking``."""
 
     def wait_blocking(
         self, deadline: float, wake_fd: int | None = None, awaited: int | None = None

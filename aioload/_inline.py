@@ -82,7 +82,9 @@ class InlineBackend:
     def describe(self, worker_id: int) -> str:
         return "the calling process"
 
-    async def wait(self, deadline: float, wake_fd: int | None = None) -> None:
+    async def wait(
+        self, deadline: float, wake_fd: int | None = None, awaited: int | None = None
+    ) -> None:
         assert deadline == math.inf
         if self.task is None:
             if wake_fd is not None:

@@ -292,7 +292,7 @@ class Orchestrator:
             intake = True
             self._busy = True
             try:
-                await self._backend.wait(deadline, self._wake_fd())
+                await self._backend.wait(deadline, self._wake_fd(), self._awaited())
             finally:
                 self._busy = False
 
@@ -335,11 +335,12 @@ class Orchestrator:
 
     def _awaited(self) -> int | None:
         """The worker holding the batch the consumer needs next, if it is known to be one
-        (``wait_blocking``): in order, with no pin stage, the next task's worker. Its sibling
-        finishes its own batch about as often first as not, and a wait that any answer ends
-        woke the parent for it, to find the batch it needs still missing and sleep again:
-        0.47 wake-ups per tiny batch out of 0.97, each a context switch that also evicts the
-        workers' caches on a machine with fewer cores than processes."""
+        (``wait``'s and ``wait_blocking``'s ``awaited``): in order, with no pin stage, the next
+        task's worker. Its sibling finishes its own batch about as often first as not, and a
+        wait that any answer ends woke the parent for it, to find the batch it needs still
+        missing and sleep again: 0.47 wake-ups per tiny batch out of 0.97, each a context
+        switch that also evicts the workers' caches on a machine with fewer cores than
+        processes."""
         if not self._in_order or self._stage is not None:
             return None
         sent = self._inflight.get(self._rcvd_idx)

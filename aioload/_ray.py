@@ -451,7 +451,9 @@ class RayBackend:
             worker_id, WorkerDiedError(message, worker_id=worker_id, pid=None, exitcode=None)
         )
 
-    async def wait(self, deadline: float, wake_fd: int | None = None) -> None:
+    async def wait(
+        self, deadline: float, wake_fd: int | None = None, awaited: int | None = None
+    ) -> None:
         budget = self._before_wait(deadline, wake_fd)
         if budget <= 0:
             return

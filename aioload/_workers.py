@@ -5,7 +5,9 @@ socket and each worker's process sentinel, which becomes readable when the proce
 selector's own descriptor is what the event loop waits on (``_backend.ReadableWait``), so
 one await covers every worker under asyncio, uvloop and trio alike, and nothing runs detached:
 between two awaits of the consumer, no aioload code runs at all. The sync front end blocks on
-the same selector directly (``wait_blocking``), with no event loop.
+the same selector directly (``wait_blocking``), with no event loop. Where the consumer needs
+one worker's answer next, either front end sleeps on that worker's answers alone (a poll set
+under ``for``, an epoll of its own under ``async for``), and on everything else a wait watches.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ def _disown_after_fork() -> None:
         pool.closed = True
         pool.retired = True
         pool._readable.forget_after_fork()
+        pool._awaited_epoll.forget_after_fork()
         with contextlib.suppress(Exception):
             pool.selector.close()
 
@@ -231,6 +234,104 @@ class _Selector(selectors.DefaultSelector):
         return super().modify(fileobj, events, data)
 
 
+def _awaited_events(key: selectors.SelectorKey, awaited: _WorkerHandle) -> tuple[bool, bool]:
+    """What a wait for ``awaited``'s answer watches of a selector registration: (readable,
+    writable). Everything the selector watches, less the other workers' answers."""
+    worker, what = key.data
+    read = bool(key.events & selectors.EVENT_READ) and (what != "sock" or worker is awaited)
+    return read, bool(key.events & selectors.EVENT_WRITE)
+
+
+class _AwaitedEpoll:
+    """The async door's wait for one worker's answer (``WorkerPool.wait``'s ``awaited``): an
+    epoll holding what the selector holds, with only the awaited worker's socket watched for
+    answers, and the one ``ReadableWait`` on it that the loop keeps from wait to wait.
+
+    The sync door makes a poll set per awaited worker (``WorkerPool._wait_for``) and switches
+    between them for free. The loop can only watch descriptors, and moving its reader from one
+    to another costs two ``epoll_ctl`` calls and the loop's own bookkeeping (about 14 us a wait,
+    see ReadableWait). So the descriptor stays and what it reports moves: when the awaited
+    worker changes, two ``epoll.modify`` calls, one system call each, take the answers of the
+    one out and put the other's in.
+
+    A change of the selector's registrations (a worker lost or replaced, a write watched or no
+    longer, the pin stage's pipe) makes a new epoll, and a new ``ReadableWait`` on it, rather
+    than mirror the change: a socket closed while registered, its number then reused, would leave
+    a registration of the old file in the old epoll that no call can name any more.
+    """
+
+    def __init__(self) -> None:
+        self.epoll: select.epoll | None = None
+        self.readable: ReadableWait | None = None
+        self.awaited: _WorkerHandle | None = None
+        self.made_at = -1  # the selector's count of changes the epoll was made at
+
+    async def wait(self, selector: _Selector, awaited: _WorkerHandle, budget: float) -> bool:
+        """Whether anything woke it within ``budget`` seconds."""
+        if self.epoll is None or self.readable is None or self.made_at != selector.changes:
+            self._make(selector, awaited)
+        elif self.awaited is not awaited:
+            self._move(selector, awaited)
+        assert self.readable is not None
+        return await self.readable.wait(budget)
+
+    def _make(self, selector: _Selector, awaited: _WorkerHandle) -> None:
+        self.close()
+        epoll = select.epoll()
+        try:
+            for key in selector.get_map().values():
+                epoll.register(key.fd, _epoll_mask(*_awaited_events(key, awaited)))
+        except BaseException:
+            epoll.close()
+            raise
+        self.epoll, self.readable = epoll, ReadableWait(epoll.fileno())
+        self.awaited, self.made_at = awaited, selector.changes
+
+    def _move(self, selector: _Selector, awaited: _WorkerHandle) -> None:
+        assert self.epoll is not None
+        try:
+            for worker in (self.awaited, awaited):
+                if worker is not None:
+                    key = selector.get_key(worker.channel.sock)
+                    self.epoll.modify(key.fd, _epoll_mask(*_awaited_events(key, awaited)))
+        except (KeyError, ValueError, OSError):
+            # Not registered any more (its socket closed): the selector's count has moved too,
+            # unless the socket was closed without unregistering; make it anew either way.
+            self._make(selector, awaited)
+            return
+        self.awaited = awaited
+
+    def stop_watching(self) -> None:
+        """The loop lets go of the epoll (a wait of another kind is next); kept for later."""
+        if self.readable is not None:
+            self.readable.close()
+
+    def close(self) -> None:
+        # The loop lets go of the descriptor (from its own thread) before it is closed.
+        readable, epoll = self.readable, self.epoll
+        self.readable = self.epoll = None
+        self.awaited = None
+        if readable is not None:
+            readable.close()
+        if epoll is not None:
+            epoll.close()
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: let go of the parent's epoll without touching its loop."""
+        if self.readable is not None:
+            self.readable.forget_after_fork()
+        if self.epoll is not None:
+            with contextlib.suppress(OSError):
+                self.epoll.close()
+        self.readable = self.epoll = None
+
+
+def _epoll_mask(read: bool, write: bool) -> int:
+    # (0 is a valid mask: the descriptor then reports only errors and hang-ups, which a wait
+    # wants to hear of anyway.)
+    return (select.EPOLLIN if read else 0) | (select.EPOLLOUT if write else 0)
+
+
 def _poll_blocking(watched: select.poll, budget: float) -> list[tuple[int, int]]:
     """``watched.poll()`` for at most ``budget`` seconds (poll takes milliseconds, and rounds
     a fraction up). A function of its own so that a profile tells the sleep from the work
@@ -281,6 +382,8 @@ class WorkerPool:
         self.selector = _Selector()
         # The async front end's wait on the selector (its reader kept from wait to wait).
         self._readable = ReadableWait(self.selector.fileno())
+        # Its wait for one worker's answer (see wait's ``awaited``).
+        self._awaited_epoll = _AwaitedEpoll()
         self._wake_fd: int | None = None
         # This pass's plan for each worker (a replacement gets its slot's plan again).
         self.plans: list[PassPlan] = [PassPlan()] * self.num_workers
@@ -634,12 +737,25 @@ class WorkerPool:
         self._fork_if_waiting(worker)  # a worker is named by its pid: it needs one now
         return f"pid {worker.pid}"
 
-    async def wait(self, deadline: float, wake_fd: int | None = None) -> None:
+    async def wait(
+        self, deadline: float, wake_fd: int | None = None, awaited: int | None = None
+    ) -> None:
         """Wait until something may have arrived, a worker exited, ``wake_fd`` (the pin
         stage's pipe) became readable, or ``deadline`` (in ``time.monotonic()`` seconds;
-        ``math.inf`` for none) passes."""
+        ``math.inf`` for none) passes. With ``awaited`` (and small answers), only that
+        worker's answers end the wait, as in ``wait_blocking`` (``_AwaitedEpoll``)."""
         budget = self._before_wait(deadline, wake_fd)
-        if budget > 0 and not await self._readable.wait(budget):
+        if budget <= 0:
+            return
+        # Of the two waits, only the one in use may keep a reader on the loop: the other's,
+        # level-triggered, would wake it for the answers this one leaves out.
+        if awaited is not None and self._await_one:
+            self._readable.close()
+            woken = await self._awaited_epoll.wait(self.selector, self.workers[awaited], budget)
+        else:
+            self._awaited_epoll.stop_watching()
+            woken = await self._readable.wait(budget)
+        if not woken:
             # Nothing woke us: only then is a health check worth its syscalls, since every
             # worker's death already wakes us through its sentinel.
             self._check_health()
@@ -686,15 +802,10 @@ class WorkerPool:
     def _await_set(self, awaited: _WorkerHandle) -> select.poll:
         watched = select.poll()
         for key in self.selector.get_map().values():
-            worker, what = key.data
-            events = key.events
-            if what == "sock" and worker is not awaited:
-                events &= ~selectors.EVENT_READ  # its answers do not end this wait
-            if events:
+            read, write = _awaited_events(key, awaited)
+            if read or write:
                 watched.register(
-                    key.fd,
-                    (select.POLLIN if events & selectors.EVENT_READ else 0)
-                    | (select.POLLOUT if events & selectors.EVENT_WRITE else 0),
+                    key.fd, (select.POLLIN if read else 0) | (select.POLLOUT if write else 0)
                 )
         return watched
 
@@ -781,6 +892,7 @@ class WorkerPool:
             worker.mappings.clear()
         # The loop lets go of the selector (from its own thread) before we close it.
         self._readable.close()
+        self._awaited_epoll.close()
         with contextlib.suppress(Exception):
             self.selector.close()
         self.releases.clear()

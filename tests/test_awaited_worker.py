@@ -1,15 +1,20 @@
-"""The sync front end's wait for the worker whose batch is next (``WorkerPool._wait_for``).
+"""The wait for the worker whose batch is next (``WorkerPool._wait_for`` under ``for``,
+``_workers._AwaitedEpoll`` under ``async for``).
 
-In order, ``for batch in loader`` needs one worker's answer at a time; the pool then sleeps on
-that worker's socket (and on every worker's exit) rather than on every answer, and the others'
-answers are read when it wakes. These tests check what that must not cost: no batch lost or
-reordered, a lost worker noticed at once while another is awaited, and workers with answers too
-large to wait in their sockets watched all the time again.
+In order, the consumer needs one worker's answer at a time; the pool then sleeps on that
+worker's socket (and on every worker's exit) rather than on every answer, and the others'
+answers are read when it wakes. These tests check, under both front ends, what that must not
+cost: no batch lost or reordered, a lost worker noticed at once while another is awaited, a
+replaced worker awaited on its new socket, and workers with answers too large to wait in their
+sockets watched all the time again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import selectors
+import socket
 import time
 from typing import Any
 
@@ -19,7 +24,36 @@ from torch.utils.data import Dataset, get_worker_info
 import aioload
 from aioload import _orchestrator, _workers
 from aioload.errors import WorkerDiedError
+from tests.helpers import run_on
 from tests.scripts.datasets import KillsItselfOnce
+
+# "for", or ``async for`` on this event loop.
+FRONTS = ["for", "asyncio", "uvloop", "trio"]
+
+
+def _batches(loader: aioload.DataLoader[Any], front: str) -> list[Any]:
+    """Every batch of a pass, as lists, through ``front``."""
+    if front == "for":
+        return [batch.tolist() for batch in loader]
+
+    async def main() -> list[Any]:
+        return [batch.tolist() async for batch in loader]
+
+    return list(run_on(front, main))
+
+
+def _first(loader: aioload.DataLoader[Any], front: str) -> Any:
+    if front == "for":
+        return next(iter(loader))
+
+    async def main() -> Any:
+        batches = aiter(loader)
+        try:
+            return await anext(batches)
+        finally:
+            await batches.aclose()  # type: ignore[attr-defined]
+
+    return run_on(front, main)
 
 
 class _WorkerPaced(Dataset[int]):
@@ -74,12 +108,13 @@ def _wake_ups(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("front", FRONTS)
 def test_the_other_workers_answers_do_not_wake_the_consumer(
-    monkeypatch: pytest.MonkeyPatch, no_leaks: None
+    monkeypatch: pytest.MonkeyPatch, no_leaks: None, front: str
 ) -> None:
     wake_ups = _wake_ups(monkeypatch)
     loader = aioload.DataLoader(_WorkerPaced(24, slow_s=0.01), batch_size=2, num_workers=2)
-    got = [batch.tolist() for batch in loader]
+    got = _batches(loader, front)
     assert got == [[i, i + 1] for i in range(0, 24, 2)], "every batch once, in order"
     # Worker 1 answers at once and worker 0 in 20 ms, so a wait that any answer ended would
     # wake for worker 1's answer while worker 0's batch is due (about one wait in two).
@@ -88,8 +123,9 @@ def test_the_other_workers_answers_do_not_wake_the_consumer(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("front", FRONTS)
 def test_a_worker_lost_while_another_is_awaited_is_noticed_at_once(
-    monkeypatch: pytest.MonkeyPatch, no_leaks: None
+    monkeypatch: pytest.MonkeyPatch, no_leaks: None, front: str
 ) -> None:
     # The health check (which would notice a death without any descriptor) is pushed out of
     # reach: only the exited worker's sentinel, watched by the wait for worker 0, can end it.
@@ -99,7 +135,7 @@ def test_a_worker_lost_while_another_is_awaited_is_noticed_at_once(
     )
     started = time.monotonic()
     with pytest.raises(WorkerDiedError):
-        next(iter(loader))
+        _first(loader, front)
     assert time.monotonic() - started < 10.0
 
 
@@ -127,15 +163,16 @@ def test_answers_too_large_to_wait_in_a_socket_make_every_wait_watch_every_worke
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("front", FRONTS)
 def test_a_replaced_worker_is_awaited_on_its_new_socket(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, no_leaks: None
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, no_leaks: None, front: str
 ) -> None:
-    # The poll sets kept per awaited worker must not outlive the descriptors they were made
-    # from: the replacement in slot 0 (batch 6 is worker 0's) has a new socket and sentinel,
-    # and a poll of its predecessor's closed ones either never ends or returns at once, every
-    # time (POLLNVAL): a set kept by slot, not by worker, hangs here or spins. The kernel may
-    # hand the replacement its predecessor's numbers again, which would hide that, so a few
-    # descriptors are taken first.
+    # The poll sets (for) and the epoll (async for) kept per awaited worker must not outlive
+    # the descriptors they were made from: the replacement in slot 0 (batch 6 is worker 0's)
+    # has a new socket and sentinel, and a poll of its predecessor's closed ones either never
+    # ends or returns at once, every time (POLLNVAL): a set kept by slot, not by worker, hangs
+    # here or spins. The kernel may hand the replacement its predecessor's numbers again,
+    # which would hide that, so a few descriptors are taken first.
     taken: list[int] = []
     spawn = _workers.WorkerPool._spawn
 
@@ -150,8 +187,15 @@ def test_a_replaced_worker_is_awaited_on_its_new_socket(
         polls.append(1)
         return poll_blocking(watched, budget)
 
+    awaited_wait = _workers._AwaitedEpoll.wait
+
+    async def counting_async(self: Any, *args: Any) -> bool:
+        polls.append(1)
+        return await awaited_wait(self, *args)
+
     monkeypatch.setattr(_workers.WorkerPool, "_spawn", spawn_elsewhere)
     monkeypatch.setattr(_workers, "_poll_blocking", counting)
+    monkeypatch.setattr(_workers._AwaitedEpoll, "wait", counting_async)
     loader = aioload.DataLoader(
         KillsItselfOnce(40, at=13, marker=tmp_path / "killed"),
         batch_size=2,
@@ -160,10 +204,68 @@ def test_a_replaced_worker_is_awaited_on_its_new_socket(
     )
     try:
         with pytest.warns(RuntimeWarning, match="replaced it"):
-            got = [batch.tolist() for batch in loader]
+            got = _batches(loader, front)
     finally:
         for fd in taken:
             os.close(fd)
     assert taken, "a worker was replaced"
     assert got == [[i, i + 1] for i in range(0, 40, 2)]
     assert 0 < len(polls) <= 2 * len(got), f"{len(polls)} waits for {len(got)} batches"
+
+
+class _Handle:
+    """What ``_AwaitedEpoll`` reads of a worker handle: its socket, as ``channel.sock``."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.channel = self
+        self.sock = sock
+
+
+def test_the_async_wait_follows_the_selector_and_the_awaited_worker() -> None:
+    # Two workers' sockets and a sentinel in the pool's selector. A wait for worker 0 ignores
+    # worker 1's answers; moved to worker 1, it hears them; a sentinel registered after the
+    # epoll was made (a replacement's) ends a wait too; a replaced socket is awaited.
+    selector = _workers._Selector()
+    pairs = [socket.socketpair() for _ in range(3)]
+    workers = [_Handle(pairs[0][0]), _Handle(pairs[1][0])]
+    for worker in workers:
+        selector.register(worker.sock, selectors.EVENT_READ, (worker, "sock"))
+    exit_r, exit_w = os.pipe()
+    waits = _workers._AwaitedEpoll()
+
+    async def main() -> list[bool]:
+        woken = []
+        pairs[1][1].send(b"x")  # worker 1 answers
+        woken.append(await waits.wait(selector, workers[0], 0.05))
+        woken.append(await waits.wait(selector, workers[1], 5.0))
+        pairs[1][0].recv(1)
+        # The loop may have queued one more call of the reader before the answer was read
+        # (readiness is level-triggered): let it find nobody waiting.
+        for _ in range(3):
+            await asyncio.sleep(0)
+        # Worker 0 exits: its sentinel, registered only now, ends a wait for worker 1.
+        selector.register(exit_r, selectors.EVENT_READ, (workers[0], "exit"))
+        os.write(exit_w, b"x")
+        woken.append(await waits.wait(selector, workers[1], 5.0))
+        selector.unregister(exit_r)
+        # Worker 0 is replaced by one on a new socket, which has answered.
+        selector.unregister(workers[0].sock)
+        workers[0].sock.close()
+        replacement = _Handle(pairs[2][0])
+        selector.register(replacement.sock, selectors.EVENT_READ, (replacement, "sock"))
+        pairs[2][1].send(b"x")
+        woken.append(await waits.wait(selector, replacement, 5.0))
+        waits.close()
+        return woken
+
+    try:
+        started = time.monotonic()
+        assert asyncio.run(main()) == [False, True, True, True]
+        assert time.monotonic() - started < 2.0, "only the first wait runs out its time"
+    finally:
+        selector.close()
+        for a, b in pairs:
+            a.close()
+            b.close()
+        os.close(exit_r)
+        os.close(exit_w)

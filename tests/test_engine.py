@@ -115,7 +115,10 @@ class FakeBackend:
         until = min(soonest, deadline, time.monotonic() + 1.0)
         return max(0.0, until - time.monotonic())
 
-    async def wait(self, deadline: float, wake_fd: int | None = None) -> None:
+    async def wait(
+        self, deadline: float, wake_fd: int | None = None, awaited: int | None = None
+    ) -> None:
+        self.awaited.append((awaited, {p[2]: p[1] for p in self.pending}))
         await anyio.sleep(self._wait_s(deadline))
 
     def wait_blocking(
@@ -230,11 +233,9 @@ def test_reorder_restores_sampler_order_whatever_the_answer_order() -> None:
     assert backend.closed, "a pass that owns its backend closes it"
 
 
-def test_a_blocking_wait_names_the_worker_whose_batch_is_next(front: str) -> None:
-    # In order, each wait of the sync front end names the worker holding the next batch (the
+def test_each_wait_names_the_worker_whose_batch_is_next(front: str) -> None:
+    # In order, each wait of either front end names the worker holding the next batch (the
     # process pool then sleeps on that worker's answers alone); out of order, no worker.
-    if front != "blocking":
-        pytest.skip("only the blocking wait is told which worker it waits for")
     backend = FakeBackend(3, delay=lambda t: 0.002 * (12 - t))  # later tasks answer first
     assert _drain(_engine(backend, BATCHES)) == BATCHES
     assert len(backend.awaited) >= 3
