@@ -46,7 +46,10 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
+    from ._lazy import collector_paused
+
+    with collector_paused():
+        value = getattr(importlib.import_module(module, __name__), name)
     globals()[name] = value  # later look-ups skip this function
     return value
 
