@@ -64,18 +64,20 @@ def flat(batches: Any) -> list[int]:
     return [int(x) for batch in batches for x in batch]
 
 
+def _running(proc: psutil.Process) -> bool:
+    """Whether ``proc`` still runs. A zombie (dead, not yet reaped) counts as gone, and so does
+    a process that exits between its listing and the look at its status (psutil then raises
+    NoSuchProcess)."""
+    try:
+        return bool(proc.status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
+
+
 def live_children(recursive: bool = False) -> list[psutil.Process]:
-    """This process's children still running. A zombie counts as gone, and so does a child
-    that exits between the listing and the look at its status (psutil then raises
-    NoSuchProcess): a thread that kills workers must not die of the one it just killed."""
-    out = []
-    for proc in psutil.Process().children(recursive=recursive):
-        try:
-            if proc.status() != psutil.STATUS_ZOMBIE:
-                out.append(proc)
-        except psutil.NoSuchProcess:
-            pass
-    return out
+    """This process's children still running (see ``_running``): a thread that kills workers
+    must not die of the one it just killed."""
+    return [proc for proc in psutil.Process().children(recursive=recursive) if _running(proc)]
 
 
 def alive(pids: list[int] | set[int]) -> list[int]:
@@ -83,10 +85,11 @@ def alive(pids: list[int] | set[int]) -> list[int]:
     out = []
     for pid in pids:
         try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
+            proc = psutil.Process(pid)
         except psutil.NoSuchProcess:
-            pass
+            continue
+        if _running(proc):
+            out.append(pid)
     return out
 
 
@@ -100,7 +103,7 @@ def wait_gone(pids: list[int] | set[int], timeout: float = 5.0) -> list[int]:
 
 def children() -> list[int]:
     """Pids of this process's running descendants."""
-    return alive([p.pid for p in psutil.Process().children(recursive=True)])
+    return [proc.pid for proc in live_children(recursive=True)]
 
 
 def wait_no_children(timeout: float = 5.0) -> list[int]:
