@@ -366,9 +366,15 @@ def begin_pass(
 def numbered_batches(
     sampler_iter: Iterator[Any], skip: YieldedPositions | None, start: int
 ) -> Iterator[tuple[int, Any]]:
-    """Number the sampler's batches; on resume, leave out those already yielded."""
+    """Number the sampler's batches; on resume, leave out those already yielded.
+
+    A batch sampler may yield each batch's indices as an iterator (a generator, ``iter(...)``),
+    which torch's fetcher reads once. Here it is read into a list: the batch is counted, sent
+    to a worker (a generator does not pickle) and, if that worker is lost, sent again."""
     for position, indices in enumerate(sampler_iter, start):
         if skip is None or position not in skip:
+            if type(indices) is not list and hasattr(indices, "__next__"):
+                indices = list(indices)
             yield position, indices
 
 

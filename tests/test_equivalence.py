@@ -186,6 +186,34 @@ def test_batch_sampler_and_sampler(no_leaks: None) -> None:
     _assert_same(ref, ours)
 
 
+class _Squares(Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 30
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i, i * i])
+
+
+def _generator(indices: list[int]) -> Iterator[int]:
+    yield from indices
+
+
+@pytest.mark.parametrize("kind", [iter, _generator])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_batch_sampler_may_yield_iterators(kind: Any, num_workers: int, no_leaks: None) -> None:
+    # torch's fetcher reads each batch's indices once, so an iterator will do (a generator
+    # only without workers: torch pickles it for them). aioload reads it into a list first.
+    batches = [[3, 1, 4], [1, 5], [9, 2, 6, 5]]
+    expected = list(torch.utils.data.DataLoader(_Squares(), batch_sampler=batches))
+    got = list(
+        aioload.DataLoader(
+            _Squares(), batch_sampler=[kind(b) for b in batches], num_workers=num_workers
+        )
+    )
+    _assert_same(expected, got)
+    assert [len(b) for b in got] == [3, 2, 4]
+
+
 @pytest.mark.parametrize("num_workers", [0, 1, 2, 3])
 def test_iterable_sharded_by_worker_info(num_workers: int, no_leaks: None) -> None:
     ref, ours = _both(0, dataset=Sharded(23), batch_size=4, num_workers=num_workers)
