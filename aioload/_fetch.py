@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from . import _transport
+from . import _stacking, _transport
 from .stats import SkippedSample
 
 __all__ = [
@@ -482,6 +482,13 @@ class Fetcher(BaseFetcher):
     ) -> None:
         super().__init__(dataset_kind, dataset, auto_collation, collate_fn, drop_last, plan, policy)
         self.restore_rng = self.seeded and in_calling_process
+        # default_collate's samples are copied into the slab as they come (aioload._stacking),
+        # where there is a slab: in a worker, collating with aioload's own default_collate.
+        self.stacking = (
+            _stacking.fetch_stacking
+            if collate_fn is _transport.slab_collate and auto_collation
+            else None
+        )
         if self.iterable and not self.ended:
             if plan.has_state:
                 dataset.load_state_dict(plan.dataset_state)
@@ -525,6 +532,9 @@ class Fetcher(BaseFetcher):
                     # batch's composition does not depend on the worker either).
                     self._seed(indices[0] if len(indices) else 0)
                 data = getitems(indices)
+            elif self.stacking is not None and _transport._current_arena is not None:
+                fetch = self._seeded_item if self.seeded else dataset.__getitem__
+                data = self.stacking(fetch, indices, _transport._current_arena)
             elif self.seeded:
                 data = []
                 for index in indices:
@@ -536,7 +546,10 @@ class Fetcher(BaseFetcher):
             if self.seeded:
                 self._seed(indices)
             data = dataset[indices]
-        batch = self.collate_fn(data)
+        try:
+            batch = self.collate_fn(data)
+        finally:
+            _transport.stacked_leaves.clear()
         if self.keep_last:
             # Kept until the batch is sent: a sample that cannot be sent is then named.
             if self.auto_collation:
@@ -547,6 +560,10 @@ class Fetcher(BaseFetcher):
 
     def _seed(self, index: Any) -> None:
         _seed_all(self.seed_of(index))
+
+    def _seeded_item(self, index: Any) -> Any:
+        self._seed(index)
+        return self.dataset[index]
 
     def _gather_map(self, indices: Any) -> Gathered:
         """The task's samples under the policy, each on its own (retried, then raised or

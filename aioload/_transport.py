@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import io
 import mmap
+import operator
 import os
 import pickle
 import time
@@ -411,6 +412,10 @@ class WorkerSlabPool:
 # The arena of the batch being collated in this worker, if any. Only the worker's main thread
 # collates, so a module global is enough.
 _current_arena: _LazyArena | None = None
+# The batch's leaves already stacked in its slab as its samples were fetched
+# (``_stacking.fetch_stacking``): by the id of the first row, the rows (what each sample now
+# holds there) and the stacked tensor they are views of. Emptied after every collate.
+stacked_leaves: dict[int, tuple[tuple[torch.Tensor, ...], torch.Tensor]] = {}
 
 
 def _collate_tensor_into_slab(
@@ -422,6 +427,12 @@ def _collate_tensor_into_slab(
     memory segment; this is the step aioload replaces.
     """
     elem = batch[0]
+    if stacked_leaves:
+        copied = stacked_leaves.pop(id(elem), None)
+        if copied is not None:
+            rows, whole = copied
+            if len(batch) == len(rows) and all(map(operator.is_, batch, rows)):
+                return whole  # its samples were copied into it as they came
     if elem.is_nested or elem.layout != torch.strided:
         stacked: torch.Tensor = collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
         return stacked  # (torch raises its own error for these first)

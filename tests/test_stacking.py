@@ -1,0 +1,354 @@
+"""A worker copies each large tensor of a sample into the batch's slab as the dataset returns it
+(``aioload._stacking``), so that a batch's samples need not all be alive at once.
+
+What must hold: the batches are torch's, whatever the samples are (a tensor, a tuple, list or
+dict of them, with small leaves and other values beside); a sample unlike the batch's first
+(another shape, dtype or type) gets torch's result or torch's error; a user's own
+``collate_fn`` sees the samples the dataset returned, not slab rows; and each sample is
+indeed let go of before the next is made.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+import aioload
+from aioload import _stacking, _transport
+
+pytestmark = pytest.mark.timeout(60)
+
+# 147 KiB of float32: copied as it comes (_stacking._MIN_ROW_BYTES); 37 KiB of uint8: not.
+_SHAPE = (3, 112, 112)
+
+
+def _image(index: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (
+        torch.arange(int(np.prod(_SHAPE)), dtype=torch.float32).reshape(_SHAPE).add(index).to(dtype)
+    )
+
+
+class Samples(Dataset[Any]):
+    """``n`` samples of the kind ``make`` makes from an index."""
+
+    def __init__(self, n: int, make: Any) -> None:
+        self.n = n
+        self.make = make
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> Any:
+        return self.make(index)
+
+
+def _lone(i: int) -> Any:
+    return _image(i)
+
+
+def _pair(i: int) -> Any:
+    return (_image(i), i)
+
+
+def _labelled(i: int) -> Any:
+    return [_image(i), torch.tensor(i), "name", 0.5 * i]
+
+
+def _record(i: int) -> Any:
+    return {"image": _image(i), "mask": _image(-i, torch.uint8), "label": i, "small": torch.ones(2)}
+
+
+def _strided(i: int) -> Any:
+    # Not contiguous: the row is written from a transposed view.
+    return _image(i).transpose(1, 2)
+
+
+def test_the_images_here_are_copied_as_they_come() -> None:
+    # (Or these tests would test nothing new.)
+    assert _image(0).numel() * 4 >= _stacking._MIN_ROW_BYTES > _image(0).numel()
+
+
+@pytest.mark.parametrize("make", [_lone, _pair, _labelled, _record, _strided])
+def test_batches_are_torchs(make: Any, no_leaks: None) -> None:
+    dataset = Samples(50, make)
+    expected = list(DataLoader(dataset, batch_size=8))
+    got = list(aioload.DataLoader(dataset, batch_size=8, num_workers=2))
+    _assert_same(got, expected)
+    for batch in got:
+        for leaf in _tensors(batch):
+            assert leaf.is_contiguous()
+
+
+def _assert_same(got: Any, expected: Any) -> None:
+    """Equal values, dtypes, shapes and types, all the way down."""
+    assert type(got) is type(expected), (type(got), type(expected))
+    if isinstance(expected, torch.Tensor):
+        assert got.dtype == expected.dtype and got.shape == expected.shape
+        assert torch.equal(got, expected)
+    elif isinstance(expected, dict):
+        assert list(got) == list(expected)
+        for key in expected:
+            _assert_same(got[key], expected[key])
+    elif isinstance(expected, list | tuple):
+        assert len(got) == len(expected)
+        for g, e in zip(got, expected, strict=True):
+            _assert_same(g, e)
+    else:
+        assert got == expected
+
+
+def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, dict):
+        for value in batch.values():
+            yield from _tensors(value)
+    elif isinstance(batch, list | tuple):
+        for value in batch:
+            yield from _tensors(value)
+
+
+class ReportsThePreviousSample(Dataset[Any]):
+    """Each sample is an image and whether the sample before it in this worker was still
+    alive when this one was made."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.previous: weakref.ref[torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> Any:
+        alive = self.previous is not None and self.previous() is not None
+        image = _image(index)
+        self.previous = weakref.ref(image)
+        return image, int(alive)
+
+
+def test_each_sample_is_let_go_of_before_the_next_is_made(no_leaks: None) -> None:
+    loader = aioload.DataLoader(ReportsThePreviousSample(64), batch_size=8, num_workers=2)
+    images, alive = zip(*loader, strict=True)
+    assert torch.cat(alive).tolist() == [0] * 64
+    # (torch's loader, and aioload without the copy, keep the batch's samples until it is
+    # collated: every sample but the first of each batch finds the one before alive.)
+    kept = torch.cat([a for _, a in DataLoader(ReportsThePreviousSample(16), batch_size=8)])
+    assert kept.tolist() == ([0] + [1] * 7) * 2
+    _assert_same(torch.cat(images), torch.stack([_image(i) for i in range(64)]))
+
+
+def _odd_one_out(odd: Any) -> Any:
+    def make(i: int) -> Any:
+        return odd(i) if i == 5 else _image(i)
+
+    return make
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        pytest.param(lambda i: _image(i, torch.float64), id="another-dtype"),
+        pytest.param(lambda i: _image(i).numpy(), id="a-numpy-array"),
+        pytest.param(lambda i: _image(i)[None], id="another-shape"),
+        pytest.param(lambda i: _image(i).to(torch.int64), id="an-integer-dtype"),
+    ],
+)
+def test_a_sample_unlike_the_first_gets_torchs_result_or_error(odd: Any, no_leaks: None) -> None:
+    dataset = Samples(16, _odd_one_out(odd))
+    try:
+        expected: Any = list(DataLoader(dataset, batch_size=8))
+    except Exception as error:
+        with pytest.raises(type(error)) as raised:
+            list(aioload.DataLoader(dataset, batch_size=8, num_workers=2))
+        assert str(error).splitlines()[0] in str(raised.value)
+        return
+    got = list(aioload.DataLoader(dataset, batch_size=8, num_workers=2))
+    _assert_same(got, expected)
+    assert [b.dtype for b in got] == [b.dtype for b in expected]
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        pytest.param(lambda i: (_image(i), i, "extra"), id="a-longer-tuple"),
+        pytest.param(lambda i: [_image(i), i], id="a-list-among-tuples"),
+        pytest.param(lambda i: (_image(i)[:2], i), id="a-smaller-image"),
+    ],
+)
+def test_a_structure_unlike_the_first_gets_torchs_result_or_error(odd: Any, no_leaks: None) -> None:
+    def make(i: int) -> Any:
+        return odd(i) if i == 3 else (_image(i), i)
+
+    dataset = Samples(16, make)
+    try:
+        expected: Any = list(DataLoader(dataset, batch_size=8))
+    except Exception as error:
+        with pytest.raises(type(error)):
+            list(aioload.DataLoader(dataset, batch_size=8, num_workers=2))
+        return
+    got = list(aioload.DataLoader(dataset, batch_size=8, num_workers=2))
+    _assert_same(got, expected)
+
+
+def test_dicts_with_other_keys_get_torchs_error(no_leaks: None) -> None:
+    def make(i: int) -> Any:
+        return {"image": _image(i), "label": i} if i != 2 else {"image": _image(i), "y": i}
+
+    dataset = Samples(8, make)
+    with pytest.raises(KeyError):
+        list(DataLoader(dataset, batch_size=8))
+    with pytest.raises(KeyError):
+        list(aioload.DataLoader(dataset, batch_size=8, num_workers=2))
+
+
+def test_a_users_collate_sees_the_datasets_own_samples(no_leaks: None) -> None:
+    def collate(samples: list[torch.Tensor]) -> torch.Tensor:
+        # Rows of a slab would share one storage, the slab's, much larger than a sample.
+        for sample in samples:
+            assert sample.untyped_storage().nbytes() == sample.numel() * sample.element_size()
+        return torch.stack(samples)
+
+    dataset = Samples(24, _lone)
+    got = list(aioload.DataLoader(dataset, batch_size=8, num_workers=2, collate_fn=collate))
+    _assert_same(got, list(DataLoader(dataset, batch_size=8)))
+
+
+class _Batches(Sampler[Any]):
+    """Batches of indices, as ``kind`` makes them."""
+
+    def __init__(self, kind: Any) -> None:
+        self.kind = kind
+
+    def __len__(self) -> int:
+        return 3
+
+    def __iter__(self) -> Iterator[Any]:
+        for start in (0, 8, 16):
+            yield self.kind(range(start, start + 8))
+
+
+@pytest.mark.parametrize("kind", [list, tuple, np.array, torch.tensor])
+def test_any_batch_of_indices(kind: Any, no_leaks: None) -> None:
+    dataset = Samples(24, _pair)
+    expected = list(DataLoader(dataset, batch_sampler=_Batches(list)))
+    got = list(aioload.DataLoader(dataset, batch_sampler=_Batches(kind), num_workers=2))
+    _assert_same(got, expected)
+
+
+class Augmented(Dataset[torch.Tensor]):
+    """A random augmentation: under seed_per_sample, the same for every worker count."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return _image(index) + torch.rand(_SHAPE)
+
+
+def test_seed_per_sample_gives_the_same_samples(no_leaks: None) -> None:
+    def batches(workers: int) -> list[torch.Tensor]:
+        loader = aioload.DataLoader(
+            Augmented(),
+            batch_size=8,
+            num_workers=workers,
+            seed_per_sample=True,
+            generator=torch.Generator().manual_seed(7),
+        )
+        return list(loader)
+
+    in_process = batches(0)
+    _assert_same(batches(2), in_process)
+
+
+def test_the_copy_is_taken_as_the_stacked_leaf_only_for_exactly_its_rows() -> None:
+    region = torch.arange(12.0).reshape(3, 4)
+    rows = region.unbind(0)
+    _transport.stacked_leaves[id(rows[0])] = (rows, region)
+    try:
+        # Other tensors with the same values, or the rows in another order, are stacked.
+        other = [row.clone() for row in rows]
+        assert _transport._collate_tensor_into_slab(other) is not region
+        assert _transport.stacked_leaves
+        shuffled = [rows[0], rows[2], rows[1]]
+        stacked = _transport._collate_tensor_into_slab(shuffled)
+        assert stacked is not region and stacked.tolist() == torch.stack(shuffled).tolist()
+        # Taken once: the entry is gone after a look.
+        assert not _transport.stacked_leaves
+        _transport.stacked_leaves[id(rows[0])] = (rows, region)
+        assert _transport._collate_tensor_into_slab(list(rows)) is region
+    finally:
+        _transport.stacked_leaves.clear()
+
+
+@pytest.fixture
+def arena() -> Iterator[Any]:
+    """A worker's slab pool, in this process, and the arena of one batch."""
+    pool = _transport.WorkerSlabPool(max_idle=2)
+    try:
+        yield pool.arena()
+    finally:
+        _transport.stacked_leaves.clear()
+        for slab in pool.slabs.values():
+            fd = slab.take_fd()
+            if fd is not None:
+                os.close(fd)
+
+
+def _in_slab(t: torch.Tensor, arena: Any) -> bool:
+    return arena.arena is not None and arena.arena.holds(t)
+
+
+def test_samples_become_rows_and_the_leaf_is_stacked_once(arena: Any) -> None:
+    samples = _stacking.fetch_stacking(_record, range(4), arena)
+    assert [s["label"] for s in samples] == [0, 1, 2, 3]
+    assert all(_in_slab(s["image"], arena) for s in samples)
+    # The uint8 mask is too small to copy as it comes: the dataset's own tensor.
+    assert not any(_in_slab(s["mask"], arena) for s in samples)
+    assert list(_transport.stacked_leaves) == [id(samples[0]["image"])]
+    batch = _transport.slab_collate(samples)
+    _assert_same(batch, torch.utils.data.default_collate([_record(i) for i in range(4)]))
+    assert _in_slab(batch["image"], arena)
+    assert not _transport.stacked_leaves
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        pytest.param(lambda i: _image(i, torch.float64), id="another-dtype"),
+        pytest.param(lambda i: _image(i)[:2], id="another-shape"),
+        pytest.param(lambda i: (_image(i),), id="another-type"),
+        pytest.param(lambda i: _image(i).requires_grad_(), id="requires-grad"),
+    ],
+)
+def test_an_unlike_sample_stops_the_copy_and_nothing_is_taken_as_stacked(
+    odd: Any, arena: Any
+) -> None:
+    samples = _stacking.fetch_stacking(_odd_one_out(odd), range(8), arena)
+    assert not _transport.stacked_leaves
+    assert [_in_slab(s, arena) for s in samples if isinstance(s, torch.Tensor)][:5] == [True] * 5
+    assert not any(_in_slab(s, arena) for s in samples[5:] if isinstance(s, torch.Tensor))
+    expected = [_odd_one_out(odd)(i) for i in range(8)]
+    for got, want in zip(samples, expected, strict=True):
+        assert type(got) is type(want)
+        if isinstance(want, torch.Tensor):
+            assert torch.equal(got.detach(), want.detach())
+
+
+def test_fewer_indices_than_len_says_are_not_taken_as_stacked(arena: Any) -> None:
+    class Short:
+        def __len__(self) -> int:
+            return 6
+
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(4))
+
+    samples = _stacking.fetch_stacking(_lone, Short(), arena)
+    assert len(samples) == 4 and not _transport.stacked_leaves
+    _assert_same(_transport.slab_collate(samples), torch.stack([_lone(i) for i in range(4)]))
