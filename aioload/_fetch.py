@@ -517,6 +517,9 @@ class Fetcher(BaseFetcher):
                 return self.collate_gathered(self._gather_map(indices))
             return self._fetch_map(indices)
         finally:
+            # (Leaves copied into the slab as they came are taken by this batch's collate, or
+            # by none: a later batch must not find them.)
+            _transport.stacked_leaves.clear()
             if saved is not None:
                 saved.install()
 
@@ -546,10 +549,7 @@ class Fetcher(BaseFetcher):
             if self.seeded:
                 self._seed(indices)
             data = dataset[indices]
-        try:
-            batch = self.collate_fn(data)
-        finally:
-            _transport.stacked_leaves.clear()
+        batch = self.collate_fn(data)
         if self.keep_last:
             # Kept until the batch is sent: a sample that cannot be sent is then named.
             if self.auto_collation:
@@ -579,6 +579,8 @@ class Fetcher(BaseFetcher):
                 return gathered_batch(keys, getitems(indices))
             except Exception:
                 pass  # one by one, below
+        if self.stacking is not None and _transport._current_arena is not None:
+            return self._gather_stacking(keys, _transport._current_arena)
         # One try around the whole loop, not one per sample: when nothing fails (the usual
         # case), this costs what torch's own list comprehension does. A failure leaves the
         # loop with ``key`` naming the sample; it is retried or skipped, and the loop goes on
@@ -603,6 +605,28 @@ class Fetcher(BaseFetcher):
                 sample = self._retry(key, exc)
                 failed += type(sample) is _Failed
                 append(sample)
+        return Gathered(keys, samples, failed=failed)
+
+    def _gather_stacking(self, keys: list[Any], arena: _transport._LazyArena) -> Gathered:
+        """``_gather_map``'s loop, each sample's large tensors copied into the slab as it
+        comes (``_stacking``); a skipped sample takes no row."""
+        dataset = self.dataset
+        seeded = self.seeded
+        failed = 0
+
+        def fetch_one(key: Any) -> Any:
+            nonlocal failed
+            try:
+                if seeded:
+                    self._seed(key)
+                return dataset[key]
+            except Exception as exc:
+                sample = self._retry(key, exc)
+                failed += type(sample) is _Failed
+                return sample
+
+        assert self.stacking is not None
+        samples = self.stacking(fetch_one, keys, arena, _Failed)
         return Gathered(keys, samples, failed=failed)
 
     def _retry(self, key: Any, error: Exception) -> Any:

@@ -14,7 +14,8 @@ its large tensors replaced by their rows (views of the slab); ``default_collate`
 usual, and when it comes to stack a leaf whose samples are exactly those rows, in order, the
 stacked tensor is already there (``_transport._collate_tensor_into_slab`` takes it from
 ``_transport.stacked_leaves``). Only ``default_collate`` (aioload's slab collate) is done this
-way; a user's ``collate_fn`` gets the samples as the dataset returned them.
+way; a user's ``collate_fn`` gets the samples as the dataset returned them. Under the
+sample-error policy (``_fetch.Fetcher._gather_stacking``) a skipped sample takes no row.
 
 A sample's layout is learned from the batch's first one: a plain tensor, or a tuple, list or
 dict (exactly those types, as ``default_collate`` treats them) with plain tensors among its
@@ -156,10 +157,17 @@ _END: Any = object()
 
 
 def fetch_stacking(
-    fetch: Callable[[Any], Any], indices: Any, arena: _transport._LazyArena
+    fetch: Callable[[Any], Any],
+    indices: Any,
+    arena: _transport._LazyArena,
+    passed_over: type | None = None,
 ) -> list[Any]:
     """The samples named by ``indices`` (each fetched with ``fetch``), their large tensors
-    copied into the slab of ``arena`` as they come (see the module's notes)."""
+    copied into the slab of ``arena`` as they come (see the module's notes).
+
+    ``fetch`` may return an instance of ``passed_over`` in a sample's place (the sample-error
+    policy's mark of a skipped sample): it is kept in its place and takes no row, and the
+    collate, which is given the other samples, finds the rows of those only."""
     try:
         count = len(indices)
     except TypeError:
@@ -168,6 +176,8 @@ def fetch_stacking(
     if count < 2:
         return [fetch(index) for index in remaining]
     first = fetch(next(remaining))
+    if type(first) is passed_over:
+        return [first, *[fetch(index) for index in remaining]]
     layout = _Layout(first)
     for key, tensor in layout.large_tensors(first):
         nbytes = tensor.numel() * tensor.element_size() * count
@@ -183,28 +193,33 @@ def fetch_stacking(
     samples: list[Any] = []
     sample = first
     del first, tensor  # only ``sample`` holds the sample now: it is freed as the next comes
-    position = 0
+    position = 0  # the next row
     while True:
-        copied = layout.copy_in(sample, position)
-        if copied is _UNLIKE:
-            # Not laid out as the first: the rest as they come, stacked as usual.
+        if type(sample) is passed_over:
             samples.append(sample)
-            samples += [fetch(index) for index in remaining]
-            return samples
-        samples.append(copied)
-        position += 1
+        else:
+            copied = layout.copy_in(sample, position)
+            if copied is _UNLIKE:
+                # Not laid out as the first: the rest as they come, stacked as usual.
+                samples.append(sample)
+                samples += [fetch(index) for index in remaining]
+                return samples
+            samples.append(copied)
+            position += 1
         # Let go of the sample before the next is made, so that it can be made in its memory.
         sample = None
         index = next(remaining, _END)
         if index is _END:
             break
         sample = fetch(index)
-        if position == count:
+        if len(samples) == count:
             # More indices than len() said: the rest as they come, stacked as usual.
             samples.append(sample)
             samples += [fetch(index) for index in remaining]
             return samples
-    if position == count:
+    if len(samples) == count:
+        # Rows past ``position`` (samples passed over) are not part of the stacked leaf.
         for leaf in layout.leaves:
-            _transport.stacked_leaves[id(leaf.rows[0])] = (leaf.rows, leaf.region)
+            rows = leaf.rows[:position]
+            _transport.stacked_leaves[id(rows[0])] = (rows, leaf.region[:position])
     return samples

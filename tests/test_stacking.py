@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 import aioload
-from aioload import _stacking, _transport
+from aioload import _fetch, _stacking, _transport
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -133,8 +133,11 @@ class ReportsThePreviousSample(Dataset[Any]):
         return image, int(alive)
 
 
-def test_each_sample_is_let_go_of_before_the_next_is_made(no_leaks: None) -> None:
-    loader = aioload.DataLoader(ReportsThePreviousSample(64), batch_size=8, num_workers=2)
+@pytest.mark.parametrize("policy", [{}, {"on_sample_error": "skip"}, {"sample_retries": 1}])
+def test_each_sample_is_let_go_of_before_the_next_is_made(
+    policy: dict[str, Any], no_leaks: None
+) -> None:
+    loader = aioload.DataLoader(ReportsThePreviousSample(64), batch_size=8, num_workers=2, **policy)
     images, alive = zip(*loader, strict=True)
     assert torch.cat(alive).tolist() == [0] * 64
     # (torch's loader, and aioload without the copy, keep the batch's samples until it is
@@ -352,3 +355,50 @@ def test_fewer_indices_than_len_says_are_not_taken_as_stacked(arena: Any) -> Non
     samples = _stacking.fetch_stacking(_lone, Short(), arena)
     assert len(samples) == 4 and not _transport.stacked_leaves
     _assert_same(_transport.slab_collate(samples), torch.stack([_lone(i) for i in range(4)]))
+
+
+class Broken(Dataset[Any]):
+    """Images, with the ones in ``bad`` raising ValueError."""
+
+    def __init__(self, n: int, bad: set[int], make: Any = _pair) -> None:
+        self.n = n
+        self.bad = bad
+        self.make = make
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> Any:
+        if index in self.bad:
+            raise ValueError(f"sample {index} is broken")
+        return self.make(index)
+
+
+@pytest.mark.parametrize("bad", [{0}, {3, 4}, {8, 9, 10, 11, 12, 13, 14, 15}, {7, 15}])
+def test_skipped_samples_take_no_row(bad: set[int], no_leaks: None) -> None:
+    loader = aioload.DataLoader(
+        Broken(24, bad), batch_size=8, num_workers=2, on_sample_error="skip"
+    )
+    got = list(loader)
+    kept = [i for i in range(24) if i not in bad]
+    batches = [[i for i in kept if start <= i < start + 8] for start in (0, 8, 16)]
+    expected = [
+        torch.utils.data.default_collate([_pair(i) for i in batch]) for batch in batches if batch
+    ]
+    _assert_same(got, expected)
+    assert sorted(s.index for s in loader.stats().skipped) == sorted(bad)
+
+
+def test_under_the_policy_the_rows_of_the_kept_samples_are_the_stacked_leaf(arena: Any) -> None:
+    failed = _fetch._Failed(None)  # type: ignore[arg-type]
+
+    def fetch(index: int) -> Any:
+        return failed if index in (2, 5) else _lone(index)
+
+    samples = _stacking.fetch_stacking(fetch, range(8), arena, _fetch._Failed)
+    assert [s is failed for s in samples] == [i in (2, 5) for i in range(8)]
+    kept = [s for s in samples if s is not failed]
+    assert all(_in_slab(s, arena) for s in kept)
+    batch = _transport.slab_collate(kept)
+    _assert_same(batch, torch.stack([_lone(i) for i in range(8) if i not in (2, 5)]))
+    assert _in_slab(batch, arena) and not _transport.stacked_leaves
