@@ -17,21 +17,24 @@ stacked tensor is already there (``_transport._collate_tensor_into_slab`` takes 
 way; a user's ``collate_fn`` gets the samples as the dataset returned them. Under the
 sample-error policy (``_fetch.Fetcher._gather_stacking``) a skipped sample takes no row.
 
-A sample's layout is learned from the batch's first one: a plain tensor, or a tuple, list or
-dict (exactly those types, as ``default_collate`` treats them) with plain tensors among its
-items. Only tensors of at least ``_MIN_ROW_BYTES`` are copied at once: below that the copy
-costs more in Python than the cache saves. Should a later sample differ (another type,
-shape, dtype, length or keys), the batch goes on as before: the rest of its samples are
-fetched as they are, nothing is taken as already stacked, and the collate does what it
-always did, raising torch's own error where shapes differ. The rows already copied hold the
-same values as the samples they replaced.
+A sample's layout is learned from the batch's first one: a plain tensor or numpy array, or a
+tuple, list or dict (exactly those types, as ``default_collate`` treats them) with such among
+its items. An array's row is a tensor, as ``default_collate`` would have made of it. Only
+leaves of at least ``_MIN_ROW_BYTES`` are copied at once: below that the copy costs more in
+Python than the cache saves. Should a later sample differ (another type, shape, dtype, length
+or keys), the batch goes on as before: the rest of its samples are fetched as they are,
+nothing is taken as already stacked, the arrays copied so far are handed to the collate as
+arrays again (views of their rows), and the collate does what it always did, raising torch's
+own error where shapes differ. The rows already copied hold the same values as the samples
+they replaced.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import _transport
@@ -63,7 +66,7 @@ def _plain(t: Any) -> bool:
     )
 
 
-def _alike(t: Any, dtype: torch.dtype, shape: torch.Size) -> bool:
+def _alike(t: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
     """Whether ``t`` stacks under the rows made for a first sample of ``dtype`` and ``shape``."""
     return (
         type(t) is _Tensor
@@ -76,6 +79,22 @@ def _alike(t: Any, dtype: torch.dtype, shape: torch.Size) -> bool:
     )
 
 
+# numpy dtypes as torch.from_numpy makes them (None: it cannot), filled as they are met.
+_TORCH_DTYPE_OF: dict[np.dtype[Any], torch.dtype | None] = {}
+
+
+def _torch_dtype_of(dtype: np.dtype[Any]) -> torch.dtype | None:
+    """The dtype ``torch.as_tensor`` gives an array of ``dtype``, if it can be stacked in a
+    slab (not: objects, strings, another byte order)."""
+    if dtype not in _TORCH_DTYPE_OF:
+        try:
+            made: torch.dtype | None = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+        except (TypeError, ValueError, RuntimeError):
+            made = None
+        _TORCH_DTYPE_OF[dtype] = made if made in _transport._TORCH_DTYPES else None
+    return _TORCH_DTYPE_OF[dtype]
+
+
 class _Leaf:
     """One large tensor position of the samples (the sample itself, an index or a key), and
     the rows of the slab its samples are copied into."""
@@ -85,16 +104,70 @@ class _Leaf:
     def __init__(self, key: Any, first: torch.Tensor, region: torch.Tensor) -> None:
         self.key = key
         self.dtype = first.dtype
+        self.shape: tuple[int, ...] = first.shape
+        self.region = region
+        self.rows = region.unbind(0)
+
+    def take(self, value: Any, position: int) -> Any:
+        """``value`` copied into row ``position``, and the row; ``_UNLIKE`` if it is not a
+        tensor like the first sample's (nothing is copied then)."""
+        if not _alike(value, self.dtype, self.shape):
+            return _UNLIKE
+        row = self.rows[position]
+        row.copy_(value)
+        return row
+
+    def as_sampled(self, row: torch.Tensor) -> Any:
+        """What a copied sample would have been, for a collate that cannot take the stacked
+        leaf (the samples were unlike): the row, which is such a tensor."""
+        return row
+
+
+class _ArrayLeaf(_Leaf):
+    """A numpy array position. Its rows are tensors: ``default_collate`` turns each array
+    into a tensor (``torch.as_tensor``) and stacks those, so a sample holding the row gets
+    the same batch."""
+
+    __slots__ = ("np_dtype", "np_region")
+
+    def __init__(self, key: Any, first: np.ndarray[Any, Any], region: torch.Tensor) -> None:
+        self.key = key
+        self.np_dtype = first.dtype
         self.shape = first.shape
         self.region = region
         self.rows = region.unbind(0)
+        self.np_region = region.numpy()
+
+    def take(self, value: Any, position: int) -> Any:
+        if type(value) is not np.ndarray or value.dtype != self.np_dtype:
+            return _UNLIKE
+        if value.shape != self.shape:
+            return _UNLIKE
+        np.copyto(self.np_region[position], value, casting="no")
+        return self.rows[position]
+
+    def as_sampled(self, row: torch.Tensor) -> Any:
+        # An array again (a view of the row): the collate then does with the samples what
+        # it does with arrays, and gives torch's result or error.
+        return row.numpy()
+
+
+def _large(value: Any) -> Any:
+    """The dtype to stack ``value`` in if it is a tensor or array large enough to copy as it
+    comes, else None."""
+    if type(value) is _Tensor:
+        if _plain(value) and value.numel() * value.element_size() >= _MIN_ROW_BYTES:
+            return value.dtype
+    elif type(value) is np.ndarray and value.nbytes >= _MIN_ROW_BYTES:
+        return _torch_dtype_of(value.dtype)
+    return None
 
 
 class _Layout:
     """What every sample of the batch must be, learned from the first: its type, its length
-    (a tuple or list) or keys (a dict), and its large tensors."""
+    (a tuple or list) or keys (a dict), and its large tensors and arrays."""
 
-    __slots__ = ("keys", "kind", "leaves", "length")
+    __slots__ = ("arrays", "keys", "kind", "leaves", "length")
 
     def __init__(self, first: Any) -> None:
         self.kind = type(first)
@@ -102,12 +175,14 @@ class _Layout:
         # (A set, not ``first.keys()``: that view would keep the first sample alive.)
         self.keys = set(first) if self.kind is dict else None
         self.leaves: list[_Leaf] = []
+        self.arrays = False
 
-    def large_tensors(self, first: Any) -> list[tuple[Any, torch.Tensor]]:
-        """The positions of ``first`` (``None`` for the sample itself) holding tensors large
-        enough to copy as they come; none for a type this module leaves alone."""
+    def large_leaves(self, first: Any) -> list[tuple[Any, Any, torch.dtype]]:
+        """The positions of ``first`` (``None`` for the sample itself) holding tensors or
+        arrays large enough to copy as they come, with each one and the dtype of its rows;
+        none for a type this module leaves alone."""
         items: list[tuple[Any, Any]]
-        if self.kind is _Tensor:
+        if self.kind is _Tensor or self.kind is np.ndarray:
             items = [(None, first)]
         elif self.kind is tuple or self.kind is list:
             items = list(enumerate(first))
@@ -115,25 +190,36 @@ class _Layout:
             items = list(first.items())
         else:
             return []
-        return [
-            (key, value)
-            for key, value in items
-            if _plain(value) and value.numel() * value.element_size() >= _MIN_ROW_BYTES
-        ]
+        found = []
+        for key, value in items:
+            dtype = _large(value)
+            if dtype is not None:
+                found.append((key, value, dtype))
+        return found
+
+    def add(self, key: Any, first: Any, region: torch.Tensor) -> None:
+        if type(first) is np.ndarray:
+            self.leaves.append(_ArrayLeaf(key, first, region))
+            self.arrays = True
+        else:
+            self.leaves.append(_Leaf(key, first, region))
 
     def copy_in(self, sample: Any, position: int) -> Any:
-        """``sample`` with its large tensors copied into row ``position`` and replaced by
-        those rows; ``_UNLIKE`` if it is not laid out as the first (nothing is copied then)."""
+        """``sample`` with its large tensors and arrays copied into row ``position`` and
+        replaced by those rows; ``_UNLIKE`` if it is not laid out as the first (the sample
+        is unchanged then, though some of its leaves may have been copied)."""
         leaves = self.leaves
         kind = self.kind
         if kind is _Tensor:
-            # The sample is the tensor: the commonest case, and the cheapest.
+            # The sample is the tensor: the commonest case, and the cheapest (no call).
             leaf = leaves[0]
             if not _alike(sample, leaf.dtype, leaf.shape):
                 return _UNLIKE
             row = leaf.rows[position]
             row.copy_(sample)
             return row
+        if kind is np.ndarray:
+            return leaves[0].take(sample, position)
         if type(sample) is not kind:
             return _UNLIKE
         if kind is dict:
@@ -141,15 +227,26 @@ class _Layout:
                 return _UNLIKE
         elif len(sample) != self.length:
             return _UNLIKE
-        for leaf in leaves:
-            if not _alike(sample[leaf.key], leaf.dtype, leaf.shape):
-                return _UNLIKE
         parts = dict(sample) if kind is dict else list(sample)
         for leaf in leaves:
-            row = leaf.rows[position]
-            row.copy_(sample[leaf.key])
+            row = leaf.take(sample[leaf.key], position)
+            if row is _UNLIKE:
+                return _UNLIKE
             parts[leaf.key] = row
         return tuple(parts) if kind is tuple else parts
+
+    def as_sampled(self, copied: Any) -> Any:
+        """A sample ``copy_in`` made, as the collate must see it when the batch's samples
+        turned out unlike (``_Leaf.as_sampled``)."""
+        if not self.arrays:
+            return copied
+        leaves = self.leaves
+        if self.kind is np.ndarray:
+            return leaves[0].as_sampled(copied)
+        parts = dict(copied) if self.kind is dict else list(copied)
+        for leaf in leaves:
+            parts[leaf.key] = leaf.as_sampled(parts[leaf.key])
+        return tuple(parts) if self.kind is tuple else parts
 
 
 _UNLIKE: Any = object()
@@ -179,20 +276,21 @@ def fetch_stacking(
     if type(first) is passed_over:
         return [first, *[fetch(index) for index in remaining]]
     layout = _Layout(first)
-    for key, tensor in layout.large_tensors(first):
-        nbytes = tensor.numel() * tensor.element_size() * count
+    for key, leaf, dtype in layout.large_leaves(first):
+        nbytes = leaf.nbytes if type(leaf) is np.ndarray else leaf.numel() * leaf.element_size()
+        nbytes *= count
         started = arena.start(nbytes)
         offset = None if started is None else started.alloc(nbytes)
         if started is None or offset is None:
             break  # no room (or no shared memory): this leaf and the rest are stacked later
-        region = started.view(offset, nbytes, tensor.dtype).view((count, *tensor.shape))
-        layout.leaves.append(_Leaf(key, tensor, region))
+        region = started.view(offset, nbytes, dtype).view((count, *leaf.shape))
+        layout.add(key, leaf, region)
     if not layout.leaves:
         # (A list, not a generator, after the first: a generator costs more per sample.)
         return [first, *[fetch(index) for index in remaining]]
     samples: list[Any] = []
     sample = first
-    del first, tensor  # only ``sample`` holds the sample now: it is freed as the next comes
+    del first, leaf  # only ``sample`` holds the sample now: it is freed as the next comes
     position = 0  # the next row
     while True:
         if type(sample) is passed_over:
@@ -201,9 +299,7 @@ def fetch_stacking(
             copied = layout.copy_in(sample, position)
             if copied is _UNLIKE:
                 # Not laid out as the first: the rest as they come, stacked as usual.
-                samples.append(sample)
-                samples += [fetch(index) for index in remaining]
-                return samples
+                return _as_sampled(layout, samples, passed_over, sample, fetch, remaining)
             samples.append(copied)
             position += 1
         # Let go of the sample before the next is made, so that it can be made in its memory.
@@ -214,12 +310,27 @@ def fetch_stacking(
         sample = fetch(index)
         if len(samples) == count:
             # More indices than len() said: the rest as they come, stacked as usual.
-            samples.append(sample)
-            samples += [fetch(index) for index in remaining]
-            return samples
+            return _as_sampled(layout, samples, passed_over, sample, fetch, remaining)
     if len(samples) == count:
         # Rows past ``position`` (samples passed over) are not part of the stacked leaf.
         for leaf in layout.leaves:
             rows = leaf.rows[:position]
             _transport.stacked_leaves[id(rows[0])] = (rows, leaf.region[:position])
+    return samples
+
+
+def _as_sampled(
+    layout: _Layout,
+    copied: list[Any],
+    passed_over: type | None,
+    sample: Any,
+    fetch: Callable[[Any], Any],
+    remaining: Iterator[Any],
+) -> list[Any]:
+    """The batch's samples when not all are laid out as the first: those copied so far, as
+    the collate must see them (``_Layout.as_sampled``), ``sample``, and the rest as they come,
+    to be stacked as usual."""
+    samples = [s if type(s) is passed_over else layout.as_sampled(s) for s in copied]
+    samples.append(sample)
+    samples += [fetch(index) for index in remaining]
     return samples

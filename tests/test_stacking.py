@@ -119,25 +119,29 @@ class ReportsThePreviousSample(Dataset[Any]):
     """Each sample is an image and whether the sample before it in this worker was still
     alive when this one was made."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, array: bool = False) -> None:
         self.n = n
-        self.previous: weakref.ref[torch.Tensor] | None = None
+        self.array = array
+        self.previous: weakref.ref[Any] | None = None
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, index: int) -> Any:
         alive = self.previous is not None and self.previous() is not None
-        image = _image(index)
+        image: Any = _image(index).numpy().copy() if self.array else _image(index)
         self.previous = weakref.ref(image)
         return image, int(alive)
 
 
+@pytest.mark.parametrize("array", [False, True], ids=["tensors", "arrays"])
 @pytest.mark.parametrize("policy", [{}, {"on_sample_error": "skip"}, {"sample_retries": 1}])
 def test_each_sample_is_let_go_of_before_the_next_is_made(
-    policy: dict[str, Any], no_leaks: None
+    policy: dict[str, Any], array: bool, no_leaks: None
 ) -> None:
-    loader = aioload.DataLoader(ReportsThePreviousSample(64), batch_size=8, num_workers=2, **policy)
+    loader = aioload.DataLoader(
+        ReportsThePreviousSample(64, array), batch_size=8, num_workers=2, **policy
+    )
     images, alive = zip(*loader, strict=True)
     assert torch.cat(alive).tolist() == [0] * 64
     # (torch's loader, and aioload without the copy, keep the batch's samples until it is
@@ -402,3 +406,66 @@ def test_under_the_policy_the_rows_of_the_kept_samples_are_the_stacked_leaf(aren
     batch = _transport.slab_collate(kept)
     _assert_same(batch, torch.stack([_lone(i) for i in range(8) if i not in (2, 5)]))
     assert _in_slab(batch, arena) and not _transport.stacked_leaves
+
+
+def _np_image(index: int) -> np.ndarray[Any, Any]:
+    # Height, width, channels, as image libraries decode them: 147 KiB of float32.
+    return np.ascontiguousarray(_image(index).numpy().transpose(1, 2, 0))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(_np_image, id="array"),
+        pytest.param(lambda i: (_np_image(i), i), id="array-and-label"),
+        pytest.param(lambda i: {"image": _np_image(i), "t": _image(i), "y": i}, id="dict"),
+        pytest.param(lambda i: _np_image(i).transpose(2, 1, 0), id="strided-array"),
+        pytest.param(lambda i: np.frombuffer(_np_image(i).tobytes(), np.float32), id="read-only"),
+    ],
+)
+def test_numpy_samples_give_torchs_batches(make: Any, no_leaks: None) -> None:
+    dataset = Samples(24, make)
+    expected = list(DataLoader(dataset, batch_size=8))
+    got = list(aioload.DataLoader(dataset, batch_size=8, num_workers=2))
+    _assert_same(got, expected)
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        pytest.param(lambda i: _np_image(i).astype(np.float64), id="another-dtype"),
+        pytest.param(lambda i: _np_image(i)[:2], id="another-shape"),
+        pytest.param(lambda i: _image(i), id="a-tensor"),
+        pytest.param(lambda i: _np_image(i).astype(">f4"), id="big-endian"),
+    ],
+)
+def test_an_array_unlike_the_first_gets_torchs_result_or_error(odd: Any, no_leaks: None) -> None:
+    def make(i: int) -> Any:
+        return (odd(i) if i == 5 else _np_image(i), i)
+
+    dataset = Samples(16, make)
+    try:
+        expected: Any = list(DataLoader(dataset, batch_size=8))
+    except Exception as error:
+        with pytest.raises(type(error)) as raised:
+            list(aioload.DataLoader(dataset, batch_size=8, num_workers=2))
+        assert str(error).splitlines()[0] in str(raised.value)
+        return
+    got = list(aioload.DataLoader(dataset, batch_size=8, num_workers=2))
+    _assert_same(got, expected)
+
+
+def test_arrays_become_tensor_rows_and_back_to_arrays_when_unlike(arena: Any) -> None:
+    samples = _stacking.fetch_stacking(_np_image, range(4), arena)
+    assert all(type(s) is torch.Tensor and _in_slab(s, arena) for s in samples)
+    assert _transport.stacked_leaves
+    _transport.stacked_leaves.clear()
+
+    def make(i: int) -> Any:
+        return _np_image(i)[:2] if i == 3 else _np_image(i)
+
+    samples = _stacking.fetch_stacking(make, range(6), arena)
+    assert [type(s) for s in samples] == [np.ndarray] * 6
+    assert not _transport.stacked_leaves
+    for i, sample in enumerate(samples):
+        assert np.array_equal(sample, make(i))
