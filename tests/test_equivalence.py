@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 import aioload
+from tests.scripts.datasets import Squares
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -186,14 +187,6 @@ def test_batch_sampler_and_sampler(no_leaks: None) -> None:
     _assert_same(ref, ours)
 
 
-class _Squares(Dataset[torch.Tensor]):
-    def __len__(self) -> int:
-        return 30
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.tensor([i, i * i])
-
-
 def _generator(indices: list[int]) -> Iterator[int]:
     yield from indices
 
@@ -204,10 +197,10 @@ def test_a_batch_sampler_may_yield_iterators(kind: Any, num_workers: int, no_lea
     # torch's fetcher reads each batch's indices once, so an iterator will do (a generator
     # only without workers: torch pickles it for them). aioload reads it into a list first.
     batches = [[3, 1, 4], [1, 5], [9, 2, 6, 5]]
-    expected = list(torch.utils.data.DataLoader(_Squares(), batch_sampler=batches))
+    expected = list(torch.utils.data.DataLoader(Squares(30), batch_sampler=batches))
     got = list(
         aioload.DataLoader(
-            _Squares(), batch_sampler=[kind(b) for b in batches], num_workers=num_workers
+            Squares(30), batch_sampler=[kind(b) for b in batches], num_workers=num_workers
         )
     )
     _assert_same(expected, got)

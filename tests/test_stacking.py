@@ -22,6 +22,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 import aioload
 from aioload import _fetch, _stacking, _transport
+from tests.scripts.datasets import FnDataset
+from tests.test_transport import leaves
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,20 +35,6 @@ def _image(index: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (
         torch.arange(int(np.prod(_SHAPE)), dtype=torch.float32).reshape(_SHAPE).add(index).to(dtype)
     )
-
-
-class Samples(Dataset[Any]):
-    """``n`` samples of the kind ``make`` makes from an index."""
-
-    def __init__(self, n: int, make: Any) -> None:
-        self.n = n
-        self.make = make
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> Any:
-        return self.make(index)
 
 
 def _lone(i: int) -> Any:
@@ -77,12 +65,12 @@ def test_the_images_here_are_copied_as_they_come() -> None:
 
 @pytest.mark.parametrize("make", [_lone, _pair, _labelled, _record, _strided])
 def test_batches_are_torchs(make: Any, no_leaks: None) -> None:
-    dataset = Samples(50, make)
+    dataset = FnDataset(make, 50)
     expected = list(DataLoader(dataset, batch_size=8))
     got = list(aioload.DataLoader(dataset, batch_size=8, num_workers=2))
     _assert_same(got, expected)
     for batch in got:
-        for leaf in _tensors(batch):
+        for leaf in leaves(batch):
             assert leaf.is_contiguous()
 
 
@@ -104,15 +92,16 @@ def _assert_same(got: Any, expected: Any) -> None:
         assert got == expected
 
 
-def _tensors(batch: Any) -> Iterator[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, dict):
-        for value in batch.values():
-            yield from _tensors(value)
-    elif isinstance(batch, list | tuple):
-        for value in batch:
-            yield from _tensors(value)
+def _assert_like_torch(dataset: Any) -> None:
+    """aioload's batches (2 workers) are torch's loader's, or it raises torch's error."""
+    try:
+        expected: Any = list(DataLoader(dataset, batch_size=8))
+    except Exception as error:
+        with pytest.raises(type(error)) as raised:
+            list(aioload.DataLoader(dataset, batch_size=8, num_workers=2))
+        assert str(error).splitlines()[0] in str(raised.value)
+        return
+    _assert_same(list(aioload.DataLoader(dataset, batch_size=8, num_workers=2)), expected)
 
 
 class ReportsThePreviousSample(Dataset[Any]):
@@ -168,17 +157,8 @@ def _odd_one_out(odd: Any) -> Any:
     ],
 )
 def test_a_sample_unlike_the_first_gets_torchs_result_or_error(odd: Any, no_leaks: None) -> None:
-    dataset = Samples(16, _odd_one_out(odd))
-    try:
-        expected: Any = list(DataLoader(dataset, batch_size=8))
-    except Exception as error:
-        with pytest.raises(type(error)) as raised:
-            list(aioload.DataLoader(dataset, batch_size=8, num_workers=2))
-        assert str(error).splitlines()[0] in str(raised.value)
-        return
-    got = list(aioload.DataLoader(dataset, batch_size=8, num_workers=2))
-    _assert_same(got, expected)
-    assert [b.dtype for b in got] == [b.dtype for b in expected]
+    dataset = FnDataset(_odd_one_out(odd), 16)
+    _assert_like_torch(dataset)
 
 
 @pytest.mark.parametrize(
@@ -193,22 +173,15 @@ def test_a_structure_unlike_the_first_gets_torchs_result_or_error(odd: Any, no_l
     def make(i: int) -> Any:
         return odd(i) if i == 3 else (_image(i), i)
 
-    dataset = Samples(16, make)
-    try:
-        expected: Any = list(DataLoader(dataset, batch_size=8))
-    except Exception as error:
-        with pytest.raises(type(error)):
-            list(aioload.DataLoader(dataset, batch_size=8, num_workers=2))
-        return
-    got = list(aioload.DataLoader(dataset, batch_size=8, num_workers=2))
-    _assert_same(got, expected)
+    dataset = FnDataset(make, 16)
+    _assert_like_torch(dataset)
 
 
 def test_dicts_with_other_keys_get_torchs_error(no_leaks: None) -> None:
     def make(i: int) -> Any:
         return {"image": _image(i), "label": i} if i != 2 else {"image": _image(i), "y": i}
 
-    dataset = Samples(8, make)
+    dataset = FnDataset(make, 8)
     with pytest.raises(KeyError):
         list(DataLoader(dataset, batch_size=8))
     with pytest.raises(KeyError):
@@ -222,7 +195,7 @@ def test_a_users_collate_sees_the_datasets_own_samples(no_leaks: None) -> None:
             assert sample.untyped_storage().nbytes() == sample.numel() * sample.element_size()
         return torch.stack(samples)
 
-    dataset = Samples(24, _lone)
+    dataset = FnDataset(_lone, 24)
     got = list(aioload.DataLoader(dataset, batch_size=8, num_workers=2, collate_fn=collate))
     _assert_same(got, list(DataLoader(dataset, batch_size=8)))
 
@@ -243,7 +216,7 @@ class _Batches(Sampler[Any]):
 
 @pytest.mark.parametrize("kind", [list, tuple, np.array, torch.tensor])
 def test_any_batch_of_indices(kind: Any, no_leaks: None) -> None:
-    dataset = Samples(24, _pair)
+    dataset = FnDataset(_pair, 24)
     expected = list(DataLoader(dataset, batch_sampler=_Batches(list)))
     got = list(aioload.DataLoader(dataset, batch_sampler=_Batches(kind), num_workers=2))
     _assert_same(got, expected)
@@ -424,7 +397,7 @@ def _np_image(index: int) -> np.ndarray[Any, Any]:
     ],
 )
 def test_numpy_samples_give_torchs_batches(make: Any, no_leaks: None) -> None:
-    dataset = Samples(24, make)
+    dataset = FnDataset(make, 24)
     expected = list(DataLoader(dataset, batch_size=8))
     got = list(aioload.DataLoader(dataset, batch_size=8, num_workers=2))
     _assert_same(got, expected)
@@ -443,16 +416,8 @@ def test_an_array_unlike_the_first_gets_torchs_result_or_error(odd: Any, no_leak
     def make(i: int) -> Any:
         return (odd(i) if i == 5 else _np_image(i), i)
 
-    dataset = Samples(16, make)
-    try:
-        expected: Any = list(DataLoader(dataset, batch_size=8))
-    except Exception as error:
-        with pytest.raises(type(error)) as raised:
-            list(aioload.DataLoader(dataset, batch_size=8, num_workers=2))
-        assert str(error).splitlines()[0] in str(raised.value)
-        return
-    got = list(aioload.DataLoader(dataset, batch_size=8, num_workers=2))
-    _assert_same(got, expected)
+    dataset = FnDataset(make, 16)
+    _assert_like_torch(dataset)
 
 
 def test_arrays_become_tensor_rows_and_back_to_arrays_when_unlike(arena: Any) -> None:

@@ -27,12 +27,13 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import default_collate
 
 import aioload
 from aioload import _transport, _worker_main
 from aioload._messages import PickledBatch, Produced, SlabBatch, Task
 from tests.leaks import ProcessTree, shm_entries, shm_leaks
+from tests.scripts.datasets import FnDataset
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -73,18 +74,6 @@ class Box:
         self.tensor = tensor
         self.array = array
         self.name = name
-
-
-class FnDataset(Dataset[Any]):
-    def __init__(self, fn: Callable[[int], Any], n: int) -> None:
-        self.fn = fn
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> Any:
-        return self.fn(i)
 
 
 def _identity(x: Any) -> Any:

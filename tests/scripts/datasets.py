@@ -11,11 +11,26 @@ import gc
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
+
+
+class FnDataset(Dataset[Any]):
+    """``n`` samples, each what ``fn`` makes of its index."""
+
+    def __init__(self, fn: Callable[[int], Any], n: int) -> None:
+        self.fn = fn
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        return self.fn(i)
 
 
 class Squares(Dataset[torch.Tensor]):
