@@ -210,16 +210,8 @@ class _Layout:
         is unchanged then, though some of its leaves may have been copied)."""
         leaves = self.leaves
         kind = self.kind
-        if kind is _Tensor:
-            # The sample is the tensor: the commonest case, and the cheapest (no call).
-            leaf = leaves[0]
-            if not _alike(sample, leaf.dtype, leaf.shape):
-                return _UNLIKE
-            row = leaf.rows[position]
-            row.copy_(sample)
-            return row
-        if kind is np.ndarray:
-            return leaves[0].take(sample, position)
+        if kind is _Tensor or kind is np.ndarray:
+            return leaves[0].take(sample, position)  # the sample is the leaf
         if type(sample) is not kind:
             return _UNLIKE
         if kind is dict:
