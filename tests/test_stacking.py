@@ -334,27 +334,21 @@ def test_fewer_indices_than_len_says_are_not_taken_as_stacked(arena: Any) -> Non
     _assert_same(_transport.slab_collate(samples), torch.stack([_lone(i) for i in range(4)]))
 
 
-class Broken(Dataset[Any]):
-    """Images, with the ones in ``bad`` raising ValueError."""
+def _broken(bad: set[int]) -> Any:
+    """``_pair``, with the indices in ``bad`` raising ValueError."""
 
-    def __init__(self, n: int, bad: set[int], make: Any = _pair) -> None:
-        self.n = n
-        self.bad = bad
-        self.make = make
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> Any:
-        if index in self.bad:
+    def make(index: int) -> Any:
+        if index in bad:
             raise ValueError(f"sample {index} is broken")
-        return self.make(index)
+        return _pair(index)
+
+    return make
 
 
 @pytest.mark.parametrize("bad", [{0}, {3, 4}, {8, 9, 10, 11, 12, 13, 14, 15}, {7, 15}])
 def test_skipped_samples_take_no_row(bad: set[int], no_leaks: None) -> None:
     loader = aioload.DataLoader(
-        Broken(24, bad), batch_size=8, num_workers=2, on_sample_error="skip"
+        FnDataset(_broken(bad), 24), batch_size=8, num_workers=2, on_sample_error="skip"
     )
     got = list(loader)
     kept = [i for i in range(24) if i not in bad]
