@@ -39,6 +39,7 @@ from ._async_detect import has_async_context, is_async_dataset
 from ._fetch import (
     BaseFetcher,
     Gathered,
+    IndexRange,
     PassPlan,
     RngStates,
     SamplePolicy,
@@ -199,6 +200,8 @@ class AsyncFetcher(BaseFetcher):
         """The samples of one batch (a list; one sample without auto-collation; a
         ``Gathered`` under an active sample-error policy), for ``collate``. Raises StreamEnd
         when an IterableDataset's stream is done."""
+        if type(indices) is IndexRange:
+            indices = indices.as_list()
         if self.iterable:
             if self.policy.active:
                 return await self._gather_iterable_policy(indices)

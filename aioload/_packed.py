@@ -21,8 +21,9 @@ indices can be anything a sampler yields (ints, numpy ints, keys of any kind), s
 pickled, but as a plain tuple of the task's fields after ``TASK_MARKER``: pickling the named
 tuple itself adds a reference to its class (written by the parent, looked up by the worker) and
 a call of its ``__getnewargs__``, 4.3 against 2.9 us to encode 256 indices and 6.2 against
-5.1 us to decode them, in warm loops. Slab ids are ints: ``FREE_MARKER`` and a ``struct``
-array of them.
+5.1 us to decode them, in warm loops. A sequential sampler's batch is an
+:class:`~aioload._fetch.IndexRange`: its task is integers only, ``RANGE_TASK_MARKER`` and one
+``struct``. Slab ids are ints: ``FREE_MARKER`` and a ``struct`` array of them.
 """
 
 from __future__ import annotations
@@ -33,13 +34,18 @@ from typing import Any
 
 import torch
 
+from ._fetch import IndexRange
 from ._messages import FreeSlabs, Reply, SlabBatch, Task
 
 MARKER = 0x01
 TASK_MARKER = 0x02
 FREE_MARKER = 0x03
+RANGE_TASK_MARKER = 0x04
 _TASK_MARKER_BYTE = bytes([TASK_MARKER])
 _FREE_MARKER_BYTE = bytes([FREE_MARKER])
+
+# marker, task_id, generation, the IndexRange's start and stop; then the freed slab ids
+_RANGE_TASK = struct.Struct("<Bqqqq")
 
 # marker, task_id, generation, slab_id, capacity, used, busy_s, leaf count, payload bytes
 _HEAD = struct.Struct("<BqqqqqdHI")
@@ -122,11 +128,18 @@ def unpack_reply(frame: memoryview) -> Reply:
 
 
 def pack_to_worker(message: Any) -> bytes | None:
-    """A :class:`Task` as ``TASK_MARKER`` and the pickled tuple of its fields, a
-    :class:`FreeSlabs` as ``FREE_MARKER`` and its slab ids; None for any other message (it is
-    pickled)."""
+    """A :class:`Task` as ``TASK_MARKER`` and the pickled tuple of its fields (one whose
+    indices are an :class:`~aioload._fetch.IndexRange` as ``RANGE_TASK_MARKER`` and its fields
+    as integers), a :class:`FreeSlabs` as ``FREE_MARKER`` and its slab ids; None for any other
+    message (it is pickled)."""
     kind = type(message)
     if kind is Task:
+        indices = message.indices
+        if type(indices) is IndexRange:
+            freed = message.freed_slabs
+            return _RANGE_TASK.pack(
+                RANGE_TASK_MARKER, message.task_id, message.generation, indices.start, indices.stop
+            ) + (struct.pack(f"<{len(freed)}q", *freed) if freed else b"")
         # (Slicing a named tuple gives a plain tuple of its fields.)
         return _TASK_MARKER_BYTE + pickle.dumps(message[:], protocol=pickle.HIGHEST_PROTOCOL)
     if kind is FreeSlabs:
@@ -137,7 +150,17 @@ def pack_to_worker(message: Any) -> bytes | None:
 
 def unpack_to_worker(frame: memoryview) -> Task | FreeSlabs:
     """The message that :func:`pack_to_worker` packed into ``frame``."""
+    marker = frame[0]
+    if marker == RANGE_TASK_MARKER:
+        _, task_id, generation, start, stop = _RANGE_TASK.unpack_from(frame)
+        with frame[_RANGE_TASK.size :] as freed:
+            return Task(
+                task_id,
+                generation,
+                IndexRange(start, stop),
+                struct.unpack(f"<{len(freed) // 8}q", freed) if freed else (),
+            )
     with frame[1:] as body:
-        if frame[0] == TASK_MARKER:
+        if marker == TASK_MARKER:
             return Task._make(pickle.loads(body))
         return FreeSlabs(list(struct.unpack(f"<{len(body) // 8}q", body)))

@@ -26,8 +26,9 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
+from torch.utils.data import BatchSampler, SequentialSampler
 
-from ._fetch import PassPlan
+from ._fetch import IndexRange, PassPlan
 from .stats import SkippedSample
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "PassStart",
     "StreamPoint",
     "YieldedPositions",
+    "batches_of",
     "begin_pass",
     "numbered_batches",
 ]
@@ -297,7 +299,7 @@ def begin_pass(
         shared_seed: int | None = None
         if draw_shared_seed is not None and replay_draw:
             shared_seed = draw_shared_seed()
-        sampler_iter = iter(index_sampler)
+        sampler_iter = batches_of(index_sampler)
         if draw_shared_seed is not None and not replay_draw:
             shared_seed = draw_shared_seed()
         base_seed = draw_base_seed() if replay_draw else None
@@ -361,6 +363,32 @@ def begin_pass(
         plans=plans,
         shared_seed=shared_seed,
     )
+
+
+def batches_of(index_sampler: Iterable[Any]) -> Iterator[Any]:
+    """``iter(index_sampler)``; for torch's own ``BatchSampler`` over its own
+    ``SequentialSampler`` (exactly those types: a subclass may change either's order), the
+    same batches as ``IndexRange`` bounds instead of lists of ints (see ``IndexRange``)."""
+    if (
+        type(index_sampler) is BatchSampler
+        and type(index_sampler.sampler) is SequentialSampler
+        and type(index_sampler.batch_size) is int
+        and index_sampler.batch_size > 0
+    ):
+        return _sequential_batches(index_sampler)
+    return iter(index_sampler)
+
+
+def _sequential_batches(batch_sampler: BatchSampler) -> Iterator[IndexRange]:
+    # A generator, as torch's BatchSampler.__iter__ is: the sampler's attributes and the
+    # dataset's length are read when the first batch is asked for, as torch reads them.
+    size = batch_sampler.batch_size
+    sampler = batch_sampler.sampler
+    assert isinstance(sampler, SequentialSampler)
+    count = len(sampler.data_source)  # what SequentialSampler.__iter__ reads
+    stop = count - count % size if batch_sampler.drop_last else count
+    for start in range(0, stop, size):
+        yield IndexRange(start, min(start + size, count))
 
 
 def numbered_batches(

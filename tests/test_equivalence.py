@@ -207,6 +207,66 @@ def test_a_batch_sampler_may_yield_iterators(kind: Any, num_workers: int, no_lea
     assert [len(b) for b in got] == [3, 2, 4]
 
 
+class _SeesIndices(Dataset[dict[str, Any]]):
+    """Each sample says what its batch's ``__getitems__`` was given: its type, its indices'
+    types, and its length."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.__getitems__([i])[0]
+
+    def __getitems__(self, indices: Any) -> list[dict[str, Any]]:
+        given = f"{type(indices).__name__} of {sorted({type(i).__name__ for i in indices})}"
+        return [{"index": i, "given": given, "length": len(indices)} for i in indices]
+
+
+class _Backwards(torch.utils.data.SequentialSampler):  # type: ignore[type-arg]
+    def __iter__(self) -> Iterator[int]:
+        return reversed(range(len(self.data_source)))
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_sequential_pass_gives_the_dataset_torchs_index_lists(
+    num_workers: int, drop_last: bool, no_leaks: None
+) -> None:
+    # aioload carries a sequential sampler's batches as their bounds (_fetch.IndexRange); what
+    # the dataset is given must still be the list of ints torch's batch sampler makes, with
+    # the same batches, the short last one included or dropped.
+    ref, ours = _both(
+        0, dataset=_SeesIndices(23), batch_size=5, drop_last=drop_last, num_workers=num_workers
+    )
+    _assert_same(ref, ours)
+    assert ours[0]["given"] == ["list of ['int']"] * 5
+    assert len(ours) == (4 if drop_last else 5)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_sequential_samplers_that_are_not_torchs_own_are_iterated(
+    num_workers: int, no_leaks: None
+) -> None:
+    # A subclass may change the order, and a batch sampler of the user's may yield its own
+    # ranges (which torch hands to the dataset as they are).
+    ref, ours = _both(
+        0,
+        dataset=_SeesIndices(11),
+        sampler=_Backwards(range(11)),
+        batch_size=4,
+        num_workers=num_workers,
+    )
+    _assert_same(ref, ours)
+    assert ours[0]["index"].tolist() == [10, 9, 8, 7]
+    ranges = [range(0, 3), range(5, 11)]
+    ref, ours = _both(0, dataset=_SeesIndices(11), batch_sampler=ranges, num_workers=num_workers)
+    _assert_same(ref, ours)
+    assert ours[1]["given"] == ["range of ['int']"] * 6
+
+
 @pytest.mark.parametrize("num_workers", [0, 1, 2, 3])
 def test_iterable_sharded_by_worker_info(num_workers: int, no_leaks: None) -> None:
     ref, ours = _both(0, dataset=Sharded(23), batch_size=4, num_workers=num_workers)

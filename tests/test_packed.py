@@ -14,7 +14,7 @@ import torch
 import aioload
 from aioload import _packed, _transport
 from aioload._channel import ParentChannel, WorkerChannel, encode_frame
-from aioload._fetch import PassPlan
+from aioload._fetch import IndexRange, PassPlan
 from aioload._messages import (
     Failure,
     FreeSlabs,
@@ -142,6 +142,27 @@ def test_a_task_is_read_back_as_it_was_sent(name: str) -> None:
     assert len(frame) < len(encode_frame(task))
 
 
+# A sequential sampler's batches travel as their bounds: integers only.
+_RANGE_TASKS = {
+    "a range": Task(11, 4, IndexRange(1024, 1280)),
+    "a range and freed slabs": Task(12, 4, IndexRange(0, 3), (4, 9)),
+    "a short last range": Task(13, 0, IndexRange(2**40, 2**40 + 1)),
+    "an empty range": Task(2**40, 2**33, IndexRange(7, 7)),
+}
+
+
+@pytest.mark.parametrize("name", list(_RANGE_TASKS))
+def test_a_range_task_is_read_back_as_it_was_sent(name: str) -> None:
+    task = _RANGE_TASKS[name]
+    frame = _packed.pack_to_worker(task)
+    assert frame is not None and frame[0] == _packed.RANGE_TASK_MARKER
+    got = _packed.unpack_to_worker(memoryview(frame))
+    assert type(got) is Task and got == task
+    assert type(got.indices) is IndexRange
+    assert got.indices.as_list() == list(range(task.indices.start, task.indices.stop))
+    assert [type(i) for i in got.freed_slabs] == [int] * len(task.freed_slabs)
+
+
 @pytest.mark.parametrize("slab_ids", [[], [0], [3, 1, 2], [2**40]])
 def test_freed_slabs_are_read_back_as_they_were_sent(slab_ids: list[int]) -> None:
     frame = _packed.pack_to_worker(FreeSlabs(slab_ids))
@@ -164,6 +185,7 @@ def test_tasks_and_pickled_messages_share_one_socket() -> None:
             FreeSlabs([1, 2]),
             Reset(3, PassPlan()),
             *[_TASKS[name] for name in ("ints", "freed slabs", "keys")],
+            *_RANGE_TASKS.values(),
             Reset(3, PassPlan()),
             _TASKS["huge ids"],
         ]
