@@ -95,8 +95,30 @@ _SCRIPT = textwrap.dedent(
         return "no error"
 
 
+    async def checkpoint_per_batch():
+        # A training step of synchronous work, so the next batch is mostly waiting already:
+        # each __anext__ must still go round the loop once (a callback queued before it runs).
+        loader = aioload.DataLoader(list(range(400)), batch_size=4, num_workers=2)
+        loop = asyncio.get_running_loop()
+        it = aiter(loader)
+        got, batches, went_round = [], 0, 0
+        while True:
+            ran = []
+            loop.call_soon(ran.append, True)
+            try:
+                batch = await anext(it)
+            except StopAsyncIteration:
+                break
+            batches += 1
+            went_round += bool(ran)
+            got.extend(int(i) for i in batch)
+            time.sleep(0.002)
+        return {"all": got == list(range(400)), "batches": batches, "went_round": went_round}
+
+
     async def main():
         full = await whole_pass()
+        at_checkpoint = await checkpoint_per_batch()
         left_after_cancel = await cancelled_while_starting()
         got, left_after_timeout = await timeout_mid_pass()
         error = await start_error()
@@ -108,7 +130,10 @@ _SCRIPT = textwrap.dedent(
             "left_after_timeout": left_after_timeout,
             "error": error,
             "again": again == full,
+            "at_checkpoint": at_checkpoint,
             "anyio": sorted(m for m in sys.modules if m.split(".")[0] == "anyio"),
+            # (Without trio imported, the checkpoint does not ask which loop runs.)
+            "trio": "trio" in sys.modules,
             "threads_left": threads_left(),
         }
 
@@ -142,7 +167,9 @@ def test_async_for_starts_and_stops_workers_without_importing_anyio(loop: str) -
     assert result["left_after_timeout"] == 0
     assert result["error"] in {"PicklingError", "AttributeError", "TypeError"}, result["error"]
     assert result["again"]
+    assert result["at_checkpoint"] == {"all": True, "batches": 100, "went_round": 100}
     assert result["anyio"] == []
+    assert result["trio"] is False
     assert result["threads_left"] == []
 
 
