@@ -90,6 +90,45 @@ def test_targets_judge_the_figures() -> None:
     assert math.isclose(row.pct_floor(row.aioload_ips), 0.9)
 
 
+def _run(loader: str, ok: bool = True, items_per_s: float = 100.0) -> dict[str, object]:
+    """One run's record, as `python -m aioload.bench` keeps it (the fields summarize reads)."""
+    return {
+        "workload": "cpu",
+        "loader": loader,
+        "mode": "sync",
+        "pair_mode": "sync",
+        "ok": ok,
+        "items_per_s": items_per_s if ok else math.nan,
+        "ttfb_s": 0.1,
+        "peak_tree_rss_bytes": 100.0,
+        "epochs": 1,
+        "parent_cpu_per_batch_s": 0.001,
+    }
+
+
+def test_a_peers_failed_run_is_shown_and_does_not_fail_the_bench() -> None:
+    runs = [
+        _run("floor", items_per_s=200.0),
+        _run("torch"),
+        _run("aioload", items_per_s=110.0),
+        _run("torchdata", items_per_s=90.0),
+        _run("torchdata", ok=False),
+        _run("spdl", ok=False),
+    ]
+    rows = report.summarize(runs, ["cpu"], ["sync"])
+    header, body = report.table_rows(rows)
+    cells = dict(zip(header, body[0], strict=True))
+    assert cells["torchdata items/s (% floor)"] == "90 (45%), 1 run(s) failed"
+    assert cells["spdl items/s (% floor)"] == "failed"
+    assert cells["notes"] == ""  # the notes count failed runs of ours only
+    assert report.exit_status(runs, rows) == 0
+    # A failed run of ours fails it: of aioload, torch or the floor.
+    for loader in report.OURS:
+        with_ours_failed = [*runs, _run(loader, ok=False)]
+        rows = report.summarize(with_ours_failed, ["cpu"], ["sync"])
+        assert report.exit_status(with_ours_failed, rows) == 1, loader
+
+
 def test_sweep_section_is_replaced_in_place() -> None:
     block = report.SWEEP_BEGIN + "\nnew\n" + report.SWEEP_END
     text = "# B\n\nintro\n\n" + report.SWEEP_BEGIN + "\nold\n" + report.SWEEP_END + "\n\nafter\n"

@@ -52,6 +52,9 @@ class SummaryRow:
     aioload_parent_cpu_s: float = math.nan
     # Peer loader -> median items/s (NaN: every run failed); absent peers are in `peers_absent`.
     peer_ips: dict[str, float] = field(default_factory=dict)
+    # Peer loader -> how many of its runs failed (a peer's crash is its own, reported here
+    # rather than failing the bench; see `exit_status`).
+    peer_failures: dict[str, int] = field(default_factory=dict)
     peers_absent: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -68,6 +71,19 @@ class SummaryRow:
 
     def pct_floor(self, ips: float) -> float:
         return ips / self.floor_ips if self.floor_ips > 0 else math.nan
+
+
+OURS = ("torch", "aioload", "floor")
+"""The loaders whose runs the targets read; every other loader is a peer."""
+
+
+def exit_status(runs: list[dict[str, Any]], rows: list[SummaryRow]) -> int:
+    """1 where a run of ours (torch, aioload or the floor) failed or a ratio could not be
+    computed, else 0. A peer's failed run (torchdata's process pool has aborted with
+    "terminate called without an active exception") is shown in its table cell and counted
+    on stderr, but does not fail the bench: no target reads it, and the other runs stand."""
+    ours_failed = any(not r["ok"] for r in runs if r["loader"] in OURS)
+    return 1 if ours_failed or any(math.isnan(r.ratio) for r in rows) else 0
 
 
 def _median(values: list[float]) -> float:
@@ -87,10 +103,13 @@ def summarize(
         of_w = [r for r in runs if r["workload"] == w]
         torch_runs = [r for r in of_w if r["loader"] == "torch" and r["ok"]]
         floor_runs = [r for r in of_w if r["loader"] == "floor" and r["ok"]]
+        peers = [p for p in dict.fromkeys(r["loader"] for r in of_w) if p not in OURS]
         peer_ips = {
             peer: _median([r["items_per_s"] for r in of_w if r["loader"] == peer and r["ok"]])
-            for peer in dict.fromkeys(r["loader"] for r in of_w)
-            if peer not in ("torch", "aioload", "floor")
+            for peer in peers
+        }
+        peer_failures = {
+            peer: sum(1 for r in of_w if r["loader"] == peer and not r["ok"]) for peer in peers
         }
         for mode in modes:
             aio_all = [r for r in of_w if r["loader"] == "aioload" and r["mode"] == mode]
@@ -130,6 +149,7 @@ def summarize(
                         [r.get("parent_cpu_per_batch_s", math.nan) for r in aio]
                     ),
                     peer_ips=peer_ips,
+                    peer_failures=peer_failures,
                     peers_absent=dict(peers_absent or {}),
                 )
             )
@@ -173,7 +193,11 @@ def _peer_cell(r: SummaryRow, peer: str) -> str:
     if peer not in r.peer_ips:
         return "not run"
     ips = r.peer_ips[peer]
-    return "failed" if math.isnan(ips) else fmt_ips(ips) + fmt_pct(r.pct_floor(ips))
+    if math.isnan(ips):
+        return "failed"
+    cell = fmt_ips(ips) + fmt_pct(r.pct_floor(ips))
+    failed = r.peer_failures.get(peer, 0)
+    return f"{cell}, {failed} run(s) failed" if failed else cell
 
 
 def table_rows(rows: list[SummaryRow]) -> tuple[list[str], list[list[str]]]:
@@ -573,7 +597,9 @@ def render_markdown(meta: dict[str, Any], rows: list[SummaryRow], png_name: str)
         "*% floor* is a loader's items/s over the floor's, from the same invocation.",
         "- **peers**: `torchdata.nodes` (sampler -> `Batcher` -> process `ParallelMapper` "
         "that fetches and collates -> `Loader`) and SPDL "
-        "(`spdl.dataloader.get_pytorch_dataloader`), from the `bench` extra.",
+        "(`spdl.dataloader.get_pytorch_dataloader`), from the `bench` extra. A peer's "
+        "failed runs are counted in its cell and left out of its median; unlike a failed "
+        "run of torch, aioload or the floor, they do not make the bench exit non-zero.",
         "- **parent CPU/batch**: CPU time of the training process (all its threads, not "
         "the workers) from the first to the last batch, per batch.",
         "- **first batch** (targets): from just before `import aioload` (torch: before "
