@@ -119,3 +119,11 @@ if __name__ == "__main__":
     run: Callable[[], dict[str, Any]] = getattr(flows, flow_name)
     report = run()
     Path(out, f"rank{os.environ['RANK']}.json").write_text(json.dumps(report))
+    # The frameworks start the process group and leave it running. Exiting with it still up
+    # once aborted rank 0 after its report ("terminate called without an active exception",
+    # signal 6, 2026-11-25 22:19 UTC, the transformers flow): torch asks for
+    # destroy_process_group before exit, which stops its gloo threads in order.
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
