@@ -21,8 +21,8 @@ run: install
 	$(PY) examples/train_images.py
 
 lint: install
-	$(VENV)/bin/ruff check aioload tests examples
-	$(VENV)/bin/ruff format --check aioload tests examples
+	$(VENV)/bin/ruff check aioload benchmarks tests examples
+	$(VENV)/bin/ruff format --check aioload benchmarks tests examples
 	$(VENV)/bin/mypy --strict aioload
 
 # The docs site (mkdocs-material, API pages from docstrings) into site/; --strict fails on any
@@ -42,18 +42,18 @@ test: lint docs unit
 # would compile the package again (about 20 ms of its first batch).
 bench: install
 	$(PY) -m compileall -q aioload
-	$(PY) -m aioload.bench
-	$(PY) -m aioload.bench.seeding --json docs/seeding.json
+	$(PY) -m benchmarks
+	$(PY) -m benchmarks.seeding --json docs/seeding.json
 
 # 2 Ray actors vs 2 local workers vs torch's DataLoader (cpu and image), inside a loopback-only
 # network namespace (it re-runs itself under `unshare -n`); rows into docs/benchmarks.md.
 bench-ray: install
-	$(PY) -m aioload.bench.ray --json docs/benchmarks_ray.json --docs
+	$(PY) -m benchmarks.ray --json docs/benchmarks_ray.json --docs
 
 # How the cost grows with sample size, batch size and num_workers; writes the sweep section of
 # docs/benchmarks.md and docs/benchmarks-sweep.{json,png}. About 5 minutes.
 bench-sweep: install
-	$(PY) -m aioload.bench.sweep
+	$(PY) -m benchmarks.sweep
 
 # Not part of `make test`: 1,000 loaders with random breaks and worker kills; counts must be flat.
 soak: install
@@ -61,7 +61,7 @@ soak: install
 
 # Need a CUDA GPU (and a CUDA build of torch); they say so and stop where there is none.
 bench-gpu: install
-	$(PY) -m aioload.bench.gpu
+	$(PY) -m benchmarks.gpu
 
 test-gpu: install
 	$(PY) -m pytest tests/gpu -rs

@@ -16,10 +16,10 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from ._async_fetch import AsyncIterableDataset
+    from ._backends.ray_config import RayWorkers
     from ._progress import Progress, progress
-    from ._ray_workers import RayWorkers
-    from ._worker_main import WorkerInfo, get_worker_info
+    from ._worker.async_fetch import AsyncIterableDataset
+    from ._worker.info import WorkerInfo, get_worker_info
     from .loader import DataLoader
     from .stats import LoaderStats, SkippedSample, WorkerStats
 
@@ -29,15 +29,15 @@ if TYPE_CHECKING:
 # DataLoader` imports the loader and what it needs to start; worker-side modules, anyio's
 # backend and uvloop still wait for the first pass (docs/benchmarks.md, start-up).
 _LAZY: dict[str, str] = {
-    "AsyncIterableDataset": "._async_fetch",
+    "AsyncIterableDataset": "._worker.async_fetch",
     "DataLoader": ".loader",
     "LoaderStats": ".stats",
     "SkippedSample": ".stats",
     "Progress": "._progress",
-    "RayWorkers": "._ray_workers",
-    "WorkerInfo": "._worker_main",
+    "RayWorkers": "._backends.ray_config",
+    "WorkerInfo": "._worker.info",
     "WorkerStats": ".stats",
-    "get_worker_info": "._worker_main",
+    "get_worker_info": "._worker.info",
     "progress": "._progress",
 }
 
@@ -46,7 +46,7 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from ._lazy import collector_paused
+    from ._aio.lazy_import import collector_paused
 
     with collector_paused():
         value = getattr(importlib.import_module(module, __name__), name)

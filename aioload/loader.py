@@ -14,15 +14,14 @@ import torch.utils.data
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
-from . import _lazy, _sync
-from ._async_detect import is_async_dataset
-from ._backend import BackendKeeper, WorkerBackend
-from ._datapipes import SharedSeeds, is_datapipe, is_iter_datapipe, reseed, shard_in_process
-from ._fetch import SamplePolicy
-from ._orchestrator import END, PENDING, Orchestrator, PassSetup
-from ._pinning import Transfer, make_transfer
-from ._ray_workers import RayWorkers
-from ._resume import (
+from ._aio import lazy_import as _lazy
+from ._aio import sync_loop as _sync
+from ._backends.base import BackendKeeper, WorkerBackend, WorkerSpec
+from ._backends.process import WorkerPool
+from ._backends.ray_config import RayWorkers
+from ._engine.orchestrator import END, PENDING, Orchestrator, PassSetup
+from ._engine.pinning import Transfer, make_transfer
+from ._engine.resume import (
     FORMAT,
     PassProgress,
     StreamPoint,
@@ -31,7 +30,9 @@ from ._resume import (
     check_generator_count,
     generator_states,
 )
-from ._workers import WorkerPool, WorkerSpec
+from ._worker.async_detect import is_async_dataset
+from ._worker.datapipes import SharedSeeds, is_datapipe, is_iter_datapipe, reseed, shard_in_process
+from ._worker.fetch import SamplePolicy
 from .stats import LoaderStats, PassStats, SkipCap, empty_stats
 
 __all__ = ["DataLoader"]
@@ -193,7 +194,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         self._pending_in_progress = False
         # An IterDataPipe's per-pass shuffle seed, shared by the workers (and the ranks).
         self._shared_seeds = SharedSeeds()
-        # What the first pass runs here, imported now rather than inside its clock (_lazy).
+        # What the first pass runs here, imported now rather than inside its clock (_aio.lazy_import).
         _lazy.warm(self.num_workers)
 
     # -- epochs and checkpoints ---------------------------------------------------------------
@@ -455,7 +456,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         self, offload_inline: bool
     ) -> tuple[PassSetup, Callable[[], WorkerBackend], bool]:
         """The one place a pass is described: its number, its randomness (drawn or replayed,
-        see ``_resume.begin_pass``), its workers and its settings."""
+        see ``_engine.resume.begin_pass``), its workers and its settings."""
         transfer = self._transfer()
         epoch = self._next_epoch
         self._next_epoch = epoch + 1
@@ -496,7 +497,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
 
             def make_backend() -> WorkerBackend:
                 # Imported here: only num_workers=0 runs datasets in this process.
-                from ._inline import InlineBackend
+                from ._backends.inline import InlineBackend
 
                 return InlineBackend(spec, offload=offload_inline)
 
@@ -505,7 +506,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
 
             def make_pool(base_seed: int) -> WorkerBackend:
                 if ray_workers is not None:
-                    from ._ray import RayBackend  # imports Ray: only when a pass needs it
+                    from ._backends.ray import RayBackend  # imports Ray: only when a pass needs it
 
                     return RayBackend(spec, base_seed, ray_workers)
                 # Staggered under `for` (see WorkerPool._start); under `async for` the pool

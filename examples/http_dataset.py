@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpcore  # noqa: F401 - see below
@@ -30,7 +32,11 @@ import torch
 from torch.utils.data import Dataset
 
 import aioload
-from aioload.bench.httpserver import file_bytes, file_name, object_store
+
+# The local object store this example reads from is the benchmarks' (benchmarks/httpserver.py,
+# beside this folder in a checkout).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.httpserver import file_bytes, file_name, object_store
 
 # httpx imports its transport, httpcore, only when the first client is made: importing it here,
 # before the workers fork, saves each worker ~70 ms before its first request.

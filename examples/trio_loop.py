@@ -11,6 +11,7 @@ With ``AIOLOAD_EXAMPLE_SMALL=1`` it runs on a few hundred samples (the examples 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import time
 
@@ -64,11 +65,17 @@ async def main(args: argparse.Namespace) -> None:
     print(f"the ticker ran {len(ticks)} times meanwhile")
     print(stats)
 
-    # A pass cancelled from outside stops its workers too (here after 0.1 s).
-    with trio.move_on_after(0.1):
+    # A pass cancelled from outside stops its workers too (here after 0.1 s): by the time the
+    # cancel scope is left, no worker process of it is running.
+    with trio.move_on_after(0.1) as deadline:
         async for _batch in aioload.DataLoader(Signals(10**6), batch_size=64, num_workers=2):
             await trio.sleep(0.01)
-    print("cancelled pass: cleaned up")
+    left = multiprocessing.active_children()
+    if not deadline.cancelled_caught:
+        raise SystemExit("cancelled pass: the pass ended before its deadline; nothing to check")
+    if left:
+        raise SystemExit(f"cancelled pass: {len(left)} worker process(es) still running: {left}")
+    print("cancelled pass: cleaned up, no worker process left")
 
 
 if __name__ == "__main__":

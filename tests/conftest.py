@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from aioload import _sync
+from aioload._aio import sync_loop as _sync
 from tests.leaks import ProcessTree, shm_entries, shm_leaks
 
 

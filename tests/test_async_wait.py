@@ -1,4 +1,4 @@
-"""The async front end's wait on the worker pool's selector (``_backend.ReadableWait``): its
+"""The async front end's wait on the worker pool's selector (``waiting.ReadableWait``): its
 reader stays registered from one batch to the next, does not spin while the consumer awaits
 something else, and lets go of its descriptor however and wherever the pass ends."""
 
@@ -15,7 +15,7 @@ import pytest
 import uvloop
 
 import aioload
-from aioload import _backend
+from aioload._aio import waiting
 
 from .helpers import run_on
 
@@ -59,9 +59,9 @@ def test_no_spinning_while_the_consumer_awaits_elsewhere(no_leaks: None, backend
     """Readiness is level-triggered: an answer waiting while the consumer sleeps must not call
     the reader on every turn of the loop."""
     fired = 0
-    readable = _backend.ReadableWait._readable
+    readable = waiting.ReadableWait._readable
 
-    def counting(self: _backend.ReadableWait) -> None:
+    def counting(self: waiting.ReadableWait) -> None:
         nonlocal fired
         fired += 1
         readable(self)
@@ -74,7 +74,7 @@ def test_no_spinning_while_the_consumer_awaits_elsewhere(no_leaks: None, backend
         await it.aclose()
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_backend.ReadableWait, "_readable", counting)
+        patch.setattr(waiting.ReadableWait, "_readable", counting)
         run_on(backend, main)
     assert fired < 50, fired
 
@@ -146,7 +146,7 @@ def test_closing_from_another_thread_leaves_the_removal_to_the_loop() -> None:
     """A pass closed in a worker thread (what aclose does) while the loop runs: the loop's own
     thread removes the reader and closes the duplicate."""
     read_end, write_end = os.pipe()
-    wait = _backend.ReadableWait(read_end)
+    wait = waiting.ReadableWait(read_end)
 
     async def main() -> None:
         os.write(write_end, b"x")

@@ -1,7 +1,7 @@
 """``async for`` under plain asyncio and uvloop, in a program that has not imported anyio.
 
 There the engine starts and stops its workers with a thread and a future of its own
-(``_backend.run_off_loop``) instead of anyio's, and imports no anyio at all. The pytest process
+(``waiting.run_off_loop``) instead of anyio's, and imports no anyio at all. The pytest process
 always has anyio (its pytest plugin), so these run in a fresh interpreter.
 """
 

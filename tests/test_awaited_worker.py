@@ -1,5 +1,5 @@
 """The wait for the worker whose batch is next (``WorkerPool._wait_for`` under ``for``,
-``_workers._AwaitedEpoll`` under ``async for``).
+``_backends.process._AwaitedEpoll`` under ``async for``).
 
 In order, the consumer needs one worker's answer at a time; the pool then sleeps on that
 worker's socket (and on every worker's exit) rather than on every answer, and the others'
@@ -22,7 +22,8 @@ import pytest
 from torch.utils.data import Dataset, get_worker_info
 
 import aioload
-from aioload import _orchestrator, _workers
+from aioload._backends import process as _workers
+from aioload._engine import orchestrator as _orchestrator
 from aioload.errors import WorkerDiedError
 from tests.helpers import run_on
 from tests.scripts.datasets import KillsItselfOnce

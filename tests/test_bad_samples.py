@@ -23,8 +23,8 @@ from torch.utils.data import Dataset, IterableDataset
 
 import aioload
 import aioload.loader
-from aioload._fetch import retry_delay
-from aioload._pinning import Transfer
+from aioload._engine.pinning import Transfer
+from aioload._worker.fetch import retry_delay
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from aioload.bench import machine_profile, report, runner, sweep
-from aioload.bench.__main__ import main as bench_main
+from benchmarks import machine_profile, report, runner, sweep
+from benchmarks.__main__ import main as bench_main
 
 
 def test_tiny_bench_prints_floors_and_targets(
@@ -91,7 +91,7 @@ def test_targets_judge_the_figures() -> None:
 
 
 def _run(loader: str, ok: bool = True, items_per_s: float = 100.0) -> dict[str, object]:
-    """One run's record, as `python -m aioload.bench` keeps it (the fields summarize reads)."""
+    """One run's record, as `python -m benchmarks` keeps it (the fields summarize reads)."""
     return {
         "workload": "cpu",
         "loader": loader,
@@ -141,7 +141,7 @@ def test_sweep_section_is_replaced_in_place() -> None:
 
 
 def test_the_ray_section_is_kept_and_replaced_in_place(tmp_path: Path) -> None:
-    from aioload.bench import ray as bench_ray
+    from benchmarks import ray as bench_ray
 
     old = "# B\n\n" + report.RAY_BEGIN + "\n## Ray workers\nOLD-ROWS\n" + report.RAY_END + "\n"
     kept = report.keep_ray_section(old, "# B, regenerated\n")

@@ -18,11 +18,10 @@ import anyio
 import pytest
 
 from aioload import DataLoaderTimeoutError, WorkerDiedError
-from aioload._fetch import PassPlan
-from aioload._messages import Answer, Batch, Event, Failed, StreamEnded, WorkerLost
-from aioload._orchestrator import END, PENDING, Orchestrator, PassSetup
-from aioload._resume import PassProgress, numbered_batches
-from aioload._worker_main import RemoteError
+from aioload._engine.orchestrator import END, PENDING, Orchestrator, PassSetup
+from aioload._engine.resume import PassProgress, numbered_batches
+from aioload._wire.messages import Answer, Batch, Event, Failed, PassPlan, StreamEnded, WorkerLost
+from aioload._worker.main import RemoteError
 
 HANG = math.inf
 

@@ -235,7 +235,7 @@ class _Backwards(torch.utils.data.SequentialSampler):  # type: ignore[type-arg]
 def test_a_sequential_pass_gives_the_dataset_torchs_index_lists(
     num_workers: int, drop_last: bool, no_leaks: None
 ) -> None:
-    # aioload carries a sequential sampler's batches as their bounds (_fetch.IndexRange); what
+    # aioload carries a sequential sampler's batches as their bounds (messages.IndexRange); what
     # the dataset is given must still be the list of ints torch's batch sampler makes, with
     # the same batches, the short last one included or dropped.
     ref, ours = _both(

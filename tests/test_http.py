@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 import aioload
-from aioload.bench.httpserver import FileServer, file_bytes, make_files
+from benchmarks.httpserver import FileServer, file_bytes, make_files
 
 pytestmark = pytest.mark.timeout(60)
 

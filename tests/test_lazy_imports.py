@@ -1,4 +1,4 @@
-"""The engine's modules are imported on first use (``aioload.__getattr__``, ``_lazy.warm``),
+"""The engine's modules are imported on first use (``aioload.__getattr__``, ``_aio.lazy_import.warm``),
 with the cyclic garbage collector paused while they are: collections in the middle of their
 bodies cost 1-2 ms of the time to the first batch, with nothing to collect."""
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from aioload._lazy import collector_paused
+from aioload._aio.lazy_import import collector_paused
 from tests.helpers import run_fresh
 
 

@@ -1,4 +1,4 @@
-"""The packed reply and task (aioload._packed): the answer most batches get and every task, read
+"""The packed reply and task (aioload._wire.packed): the answer most batches get and every task, read
 back field for field as the pickled ones would be, and every other message still pickled,
 through the real channels."""
 
@@ -12,12 +12,14 @@ import pytest
 import torch
 
 import aioload
-from aioload import _packed, _transport
-from aioload._channel import ParentChannel, WorkerChannel, encode_frame
-from aioload._fetch import IndexRange, PassPlan
-from aioload._messages import (
+from aioload._wire import packed as _packed
+from aioload._wire import slabs as _transport
+from aioload._wire.channel import ParentChannel, WorkerChannel, encode_frame
+from aioload._wire.messages import (
     Failure,
     FreeSlabs,
+    IndexRange,
+    PassPlan,
     PickledBatch,
     Reply,
     Reset,

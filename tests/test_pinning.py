@@ -20,7 +20,7 @@ import torch
 
 import aioload
 import aioload.loader
-from aioload._pinning import PinTransfer, Transfer, make_transfer
+from aioload._engine.pinning import PinTransfer, Transfer, make_transfer
 from tests.helpers import wait_until
 from tests.scripts.datasets import Numbers
 
@@ -131,13 +131,13 @@ def test_stage_depth_is_bounded_by_prefetch_factor(
     monkeypatch: pytest.MonkeyPatch, no_leaks: None
 ) -> None:
     pending: list[int] = []
-    original_submit = aioload._pinning.PinStage.submit
+    original_submit = aioload._engine.pinning.PinStage.submit
 
-    def submit(self: aioload._pinning.PinStage, outcome: Any) -> None:
+    def submit(self: aioload._engine.pinning.PinStage, outcome: Any) -> None:
         original_submit(self, outcome)
         pending.append(self.pending)
 
-    monkeypatch.setattr(aioload._pinning.PinStage, "submit", submit)
+    monkeypatch.setattr(aioload._engine.pinning.PinStage, "submit", submit)
     monkeypatch.setattr(aioload.loader, "make_transfer", lambda pin, device: Marking())
     loader = aioload.DataLoader(Numbers(64), batch_size=2, num_workers=2, prefetch_factor=3)
     for _ in loader:

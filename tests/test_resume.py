@@ -28,7 +28,7 @@ from torch.utils.data import (
 )
 
 import aioload
-import aioload._pinning  # named at import time below (the package imports it lazily)
+import aioload._engine.pinning  # named at import time below (the package imports it lazily)
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -507,7 +507,7 @@ class Uneven(IterableDataset[int]):
         return iter(range(worker * 100, worker * 100 + (16, 4, 12)[worker]))
 
 
-class _CloningTransfer(aioload._pinning.Transfer):
+class _CloningTransfer(aioload._engine.pinning.Transfer):
     def run(self, batch: Any) -> Any:
         return batch.clone()
 

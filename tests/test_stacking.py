@@ -1,5 +1,5 @@
 """A worker copies each large tensor of a sample into the batch's slab as the dataset returns it
-(``aioload._stacking``), so that a batch's samples need not all be alive at once.
+(``aioload._worker.stacking``), so that a batch's samples need not all be alive at once.
 
 What must hold: the batches are torch's, whatever the samples are (a tensor, a tuple, list or
 dict of them, with small leaves and other values beside); a sample unlike the batch's first
@@ -21,13 +21,15 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 import aioload
-from aioload import _fetch, _stacking, _transport
+from aioload._wire import slabs as _transport
+from aioload._worker import fetch as _fetch
+from aioload._worker import stacking as _stacking
 from tests.scripts.datasets import FnDataset
 from tests.test_transport import leaves
 
 pytestmark = pytest.mark.timeout(60)
 
-# 147 KiB of float32: copied as it comes (_stacking._MIN_ROW_BYTES); 37 KiB of uint8: not.
+# 147 KiB of float32: copied as it comes (_worker.stacking._MIN_ROW_BYTES); 37 KiB of uint8: not.
 _SHAPE = (3, 112, 112)
 
 

@@ -16,7 +16,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 import aioload
 import aioload.loader
-from aioload._pinning import Transfer
+from aioload._engine.pinning import Transfer
 from aioload.stats import RESERVOIR_SIZE, PassStats
 from tests.scripts.datasets import KillsItselfOnce, Numbers
 

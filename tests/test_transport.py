@@ -30,8 +30,9 @@ import torch
 from torch.utils.data import default_collate
 
 import aioload
-from aioload import _transport, _worker_main
-from aioload._messages import PickledBatch, Produced, SlabBatch, Task
+from aioload._wire import slabs as _transport
+from aioload._wire.messages import PickledBatch, Produced, SlabBatch, Task
+from aioload._worker import main as _worker_main
 from tests.leaks import ProcessTree, shm_entries, shm_leaks
 from tests.scripts.datasets import FnDataset
 
@@ -1121,7 +1122,7 @@ def test_slab_collate_of_unlike_samples_matches_default_collate(
 def test_worker_channel_reads_without_waiting_and_stays_blocking() -> None:
     import socket
 
-    from aioload._channel import ChannelClosed, WorkerChannel, encode_frame
+    from aioload._wire.channel import ChannelClosed, WorkerChannel, encode_frame
 
     ours, theirs = socket.socketpair()
     with ours, theirs:

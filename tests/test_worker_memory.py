@@ -19,8 +19,10 @@ import torch
 from torch.utils.data import Dataset
 
 import aioload
-from aioload import _channel, _transport, _worker_main
-from aioload._messages import FreeSlabs, Task
+from aioload._wire import channel as _channel
+from aioload._wire import slabs as _transport
+from aioload._wire.messages import FreeSlabs, Task
+from aioload._worker import main as _worker_main
 
 from .helpers import run_fresh
 from .scripts.datasets import MallocBatches
@@ -34,7 +36,7 @@ libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
 if sys.argv[1] == "policy":
-    from aioload._heap import HeapPolicy
+    from aioload._worker.heap import HeapPolicy
     HeapPolicy()
 SIZE = 150 * 1024
 def batch():

@@ -2,9 +2,9 @@
 
 - numpy's global RNG: a worker seeds it as torch's workers do, but where ``numpy.random`` has
   not been imported yet it is seeded on import instead of imported for the seed
-  (``_worker_main._seed_numpy``). The draws must be torch's either way.
+  (``_worker.main._seed_numpy``). The draws must be torch's either way.
 - the parent maps a worker's slabs lazily, and the channels' read buffers are resident only
-  where reads have written (``_transport._map_fd``, ``_channel._read_buffer``).
+  where reads have written (``_wire.slabs._map_fd``, ``_wire.channel._read_buffer``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from types import ModuleType
 
 import pytest
 
-from aioload import _channel, _transport, _worker_main
+from aioload._wire import channel as _channel
+from aioload._wire import slabs as _transport
+from aioload._worker import main as _worker_main
 from tests.helpers import run_fresh
 
 pytestmark = pytest.mark.timeout(120)
@@ -87,7 +89,7 @@ def test_numpy_seeded_on_import_draws_as_torch(no_leaks: None) -> None:
 _SEED_TWICE_SCRIPT = textwrap.dedent(
     """
     import sys
-    from aioload import _worker_main
+    from aioload._worker import main as _worker_main
 
     assert "numpy.random" not in sys.modules, "the test needs numpy.random not imported yet"
     _worker_main._seed_numpy([1, 2, 3])
@@ -255,7 +257,7 @@ def test_a_staggered_start_starts_every_worker_once(
     first wait: every worker still starts, once, whether or not it gets a task, and none
     holds another worker's end of its socket."""
     import aioload
-    from aioload import _workers
+    from aioload._backends import process as _workers
 
     loader = aioload.DataLoader(
         _Pids(num_batches),
@@ -284,8 +286,9 @@ def test_a_staggered_start_starts_every_worker_once(
 
 
 def test_a_staggered_pool_closed_before_its_first_wait_leaves_nothing(no_leaks: None) -> None:
-    from aioload import _workers
-    from aioload._workers import WorkerPool, WorkerSpec
+    from aioload._backends import process as _workers
+    from aioload._backends.base import WorkerSpec
+    from aioload._backends.process import WorkerPool
 
     spec = WorkerSpec(
         dataset=list(range(4)),

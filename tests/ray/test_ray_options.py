@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import aioload
-from aioload import _ray_workers
+from aioload._backends import ray_config as _ray_workers
 
 
 def test_import_aioload_does_not_import_ray() -> None:

@@ -39,7 +39,7 @@ import psutil
 import torch
 
 import aioload
-from aioload import _transport
+from aioload._wire import slabs as _transport
 from tests.leaks import ProcessTree, shm_entries, shm_leaks
 from tests.reliability.cell_datasets import Cell, CellStream, FailingCollate, FailingInit
 

@@ -257,7 +257,7 @@ class DiesAt(Dataset[torch.Tensor]):
 class MallocBatches(Dataset[torch.Tensor]):
     """Each sample makes and frees a batch's worth of heap blocks (64 of 150 KiB, as a batch
     of decoded images does), and is the page faults its process took since its previous
-    sample: with the worker heap policy (aioload._heap), none after the first few."""
+    sample: with the worker heap policy (aioload._worker.heap), none after the first few."""
 
     def __init__(self, n: int) -> None:
         self.n = n

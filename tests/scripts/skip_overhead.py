@@ -19,8 +19,9 @@ import time
 import torch
 
 import aioload
-from aioload._fetch import Fetcher, PassPlan, SamplePolicy
-from aioload.bench.workloads import TinyDataset
+from aioload._wire.messages import PassPlan
+from aioload._worker.fetch import Fetcher, SamplePolicy
+from benchmarks.workloads import TinyDataset
 
 MODES = ("raise", "skip")
 

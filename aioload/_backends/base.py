@@ -1,0 +1,187 @@
+"""The seam between the engine and its workers, and the policy that keeps workers between passes.
+
+The orchestrator (``_engine/orchestrator.py``) schedules ``(task_id, indices)`` tasks; a
+``WorkerBackend`` runs them somewhere and reports back. Three implementations:
+
+- ``_backends.process.WorkerPool``: local worker processes (shared-memory batches, sockets, sentinels);
+- ``_backends.inline.InlineBackend``: ``num_workers=0``, the calling process as the one worker;
+- ``_backends.ray.RayBackend``: Ray actors (optional, ``aioload[ray]``).
+
+Everything a backend says to the engine is a ``_wire.messages.Event``: an ``Answer`` to a task, or a
+``WorkerLost``. Health checks, descriptors and transports stay inside each backend; restart
+policy (how many, which tasks go again) is the engine's, the same for every backend.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+from .._wire.messages import Event, PassPlan
+
+if TYPE_CHECKING:
+    from .._worker.fetch import SamplePolicy
+    from .._worker.main import WorkerConfig
+
+__all__ = ["BackendKeeper", "WorkerBackend", "WorkerSpec"]
+
+
+class WorkerBackend(Protocol):
+    """What the engine needs from whatever runs its workers."""
+
+    # Worker slots, numbered 0..num_workers-1 (a replacement keeps its slot).
+    num_workers: int
+    # No longer fit for another pass (a worker's setup failed, or one hung): a persistent
+    # loader starts a fresh backend next pass. Closed backends are retired too.
+    retired: bool
+
+    def start_pass(self, plans: list[PassPlan]) -> None:
+        """A pass begins: answers to older passes' tasks are dropped from now on, and worker
+        ``i`` makes its fetcher from ``plans[i]``."""
+
+    def submit(self, worker_id: int, task_id: int, indices: Any) -> None:
+        """Ask worker ``worker_id`` for one batch. May be buffered until ``poll``/``wait``."""
+
+    def poll(self) -> list[Event]:
+        """Send what was submitted; return every answer and loss that has arrived, without
+        waiting. A lost worker's answers sent before it died come first."""
+
+    async def wait(
+        self, deadline: float, wake_fd: int | None = None, awaited: int | None = None
+    ) -> None:
+        """Wait until ``poll`` may have something, ``wake_fd`` is readable (the pin stage),
+        or ``deadline`` (``time.monotonic()`` seconds) passes. Never blocks the event loop.
+        ``awaited``: as in ``wait_blocking``."""
+
+    def wait_blocking(
+        self, deadline: float, wake_fd: int | None = None, awaited: int | None = None
+    ) -> bool:
+        """``wait`` for the sync front end: blocks the calling thread, with no event loop.
+        Returns False at once, having waited for nothing, where waiting needs a loop (an async
+        dataset in the calling process); the front end then runs ``wait`` on its own loop.
+
+        ``awaited`` is the worker whose answer the consumer needs next, where the engine knows
+        it (in-order delivery): a backend may then sleep until that worker answers (or any
+        worker is lost, or ``wake_fd`` or ``deadline``) rather than until any answer arrives.
+        The others' answers are taken in by the ``poll`` after the wait."""
+
+    def restart(self, worker_id: int) -> None:
+        """Replace a lost worker in its slot, on this pass's plan."""
+
+    def abandon(self, worker_id: int) -> None:
+        """Stop a worker that stopped answering; ``poll`` then reports it lost."""
+
+    def retire(self) -> None:
+        """Serve out this pass, but no other (a worker is stuck)."""
+
+    def describe(self, worker_id: int) -> str:
+        """How error messages name this worker ("pid 1234", "actor ... on node ...")."""
+
+    def close(self) -> None:
+        """Stop every worker and release everything, bounded in time. Idempotent."""
+
+
+class BackendKeeper:
+    """Which backend a pass runs on: a fresh one per pass, or (``persistent_workers``) one kept
+    for the loader's life and replaced only when it is closed or retired."""
+
+    def __init__(self, owner: object, persistent: bool) -> None:
+        self._owner = weakref.ref(owner)
+        self.persistent = persistent
+        self.kept: WorkerBackend | None = None
+        # The pass that runs on the kept backend: superseded (closed) when the next begins.
+        self.current_pass: Callable[[], Any] | None = None
+
+    def reusable(self) -> bool:
+        """Whether the next pass runs on the kept backend (and so draws no base seed)."""
+        kept = self.kept if self.persistent else None
+        return kept is not None and not kept.retired
+
+    def for_pass(
+        self, make: Callable[[int], WorkerBackend], base_seed: int | None
+    ) -> tuple[Callable[[], WorkerBackend], bool]:
+        """A factory for this pass's backend (called on the pass's first ``next()``), and
+        whether the pass owns it (closes it when it ends)."""
+        if not self.persistent:
+            assert base_seed is not None
+            seed = base_seed
+            return (lambda: make(seed)), True
+        previous = self.current_pass() if self.current_pass is not None else None
+        if previous is not None:
+            previous.close()  # one pass at a time on a kept backend
+        if self.reusable():
+            kept = self.kept
+            assert kept is not None
+            return (lambda: kept), False
+        self.shutdown()
+        assert base_seed is not None
+        seed = base_seed
+
+        def start() -> WorkerBackend:
+            backend = make(seed)
+            self.kept = backend
+            owner = self._owner()
+            if owner is not None:
+                # The workers die with the loader (or at interpreter exit), not with a pass.
+                weakref.finalize(owner, backend.close)
+            return backend
+
+        return start, False
+
+    def shutdown(self) -> None:
+        kept, self.kept = self.kept, None
+        if kept is not None:
+            kept.close()
+
+
+class WorkerSpec(NamedTuple):
+    dataset: Any
+    dataset_kind: int
+    auto_collation: bool
+    collate_fn: Any
+    drop_last: bool
+    worker_init_fn: Any
+    num_workers: int
+    prefetch_factor: int
+    multiprocessing_context: Any
+    slab_collate: bool
+    rank: int = 0
+    world_size: int = 1
+    worker_concurrency: int = 1
+    sample_policy: SamplePolicy | None = None
+
+    def worker_config(
+        self,
+        worker_id: int,
+        base_seed: int,
+        generation: int,
+        *,
+        payload: tuple[Any, Any, Any] | bytes,
+        shared_memory: bool,
+    ) -> WorkerConfig:
+        """What worker ``worker_id`` starts with, whichever backend runs it. ``payload``: how
+        ``(dataset, collate_fn, worker_init_fn)`` reach it (``_payload``; a Ray actor gets
+        them from the object store instead). ``shared_memory``: whether it answers through
+        shared-memory slabs (a local process), or returns its batches as values (a Ray actor:
+        no slab collate, no idle slabs kept)."""
+        # Imported here, as in WorkerPool._spawn: the worker-side code is not loaded with the
+        # package.
+        from .._worker.main import WorkerConfig
+
+        return WorkerConfig(
+            worker_id=worker_id,
+            num_workers=self.num_workers,
+            base_seed=base_seed,
+            generation=generation,
+            dataset_kind=self.dataset_kind,
+            auto_collation=self.auto_collation,
+            drop_last=self.drop_last,
+            payload=payload,
+            slab_collate=self.slab_collate and shared_memory,
+            max_idle_slabs=self.prefetch_factor + 1 if shared_memory else 0,
+            rank=self.rank,
+            world_size=self.world_size,
+            worker_concurrency=self.worker_concurrency,
+            sample_policy=self.sample_policy,
+        )

@@ -1,0 +1,256 @@
+"""``num_workers=0``: batches are loaded in the calling process, as torch does.
+
+This is the ``_backends.base.WorkerBackend`` with one worker, the calling process, so every kind of
+loading shares one engine. Under ``async for`` the fetch runs in a thread of the
+caller's event loop (dataset code never runs on the loop itself); under ``for`` it runs directly
+in the calling thread, with no loop at all.
+
+An async dataset is the exception: its coroutines are awaited on the loop itself (the caller's
+under ``async for``, with anyio so that trio works too; the private one under ``for``), with up
+to ``worker_concurrency`` samples in flight. Cancelling the consumer cancels them.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import select
+import time
+import warnings
+from typing import Any
+
+# Imported with the module, not lazily: close() reaches the consumer's loop through
+# anyio.from_thread, which works only in anyio's worker threads, and _aio.waiting.run_off_loop runs
+# aclose()'s close() in one of those exactly when anyio has been imported.
+import anyio
+import anyio.from_thread
+
+from .._aio import sync_loop as _sync
+from .._wire.messages import (
+    Answer,
+    Batch,
+    Event,
+    Outcome,
+    PassPlan,
+    Raised,
+    StreamEnded,
+    StreamState,
+)
+from .._worker.async_fetch import AsyncFetcher, StreamEnd, has_async_context, is_async_dataset
+from .._worker.fetch import Fetcher
+from .base import WorkerSpec
+
+__all__ = ["InlineBackend"]
+
+
+class InlineBackend:
+    num_workers = 1
+    # A fresh one per pass: never kept.
+    retired = False
+
+    def __init__(self, spec: WorkerSpec, offload: bool) -> None:
+        self.spec = spec
+        self.offload = offload
+        self.fetcher: Any = None
+        self.task: tuple[int, Any] | None = None
+        self.answer: Answer | None = None
+        self.plan = PassPlan()
+        # Where the IterableDataset stream stands after the task just fetched.
+        self.stream: StreamState | None = None
+        self.is_async = is_async_dataset(spec.dataset, spec.dataset_kind)
+        # The dataset's async context (its per-worker setup), entered on the loop that fetches,
+        # at the first fetch of the pass, and exited when the pass's source is closed.
+        self.context_entered = False
+
+    def start_pass(self, plans: list[PassPlan]) -> None:
+        # The fetcher (and an IterableDataset's iterator) is made on the first fetch, in the
+        # thread that fetches, as torch makes it lazily too.
+        self.plan = plans[0]
+        self.fetcher = None
+
+    def submit(self, worker_id: int, task_id: int, indices: Any) -> None:
+        assert self.task is None, "one task at a time in the calling process"
+        self.task = (task_id, indices)
+
+    def poll(self) -> list[Event]:
+        if self.answer is None:
+            return []
+        answer, self.answer = self.answer, None
+        return [answer]
+
+    # Nothing to heal in the calling process: no worker can be lost, so none is replaced.
+    def restart(self, worker_id: int) -> None:
+        raise AssertionError("the calling process is never restarted")
+
+    def abandon(self, worker_id: int) -> None:
+        pass
+
+    def retire(self) -> None:
+        pass
+
+    def describe(self, worker_id: int) -> str:
+        return "the calling process"
+
+    async def wait(
+        self, deadline: float, wake_fd: int | None = None, awaited: int | None = None
+    ) -> None:
+        assert deadline == math.inf
+        if self.task is None:
+            if wake_fd is not None:
+                # Only the pin stage has work: wait for it.
+                await anyio.wait_readable(wake_fd)
+            return
+        started = time.perf_counter()
+        if self.is_async:
+            outcome = await self._fetch_async(*self.task)
+        elif self.offload:
+            # Not abandoned on cancel: the fetch finishes (one batch at most) before the
+            # cancellation goes on, so two fetches never run at once on one dataset.
+            outcome = await anyio.to_thread.run_sync(self._fetch, *self.task)
+        else:
+            outcome = self._fetch(*self.task)
+        self._answered(outcome, started)
+
+    def wait_blocking(
+        self, deadline: float, wake_fd: int | None = None, awaited: int | None = None
+    ) -> bool:
+        """The sync front end's wait: a plain dataset is fetched right here (the calling thread
+        has nothing else to do); an async one needs a loop to run on."""
+        if self.task is None:
+            if wake_fd is not None:
+                select.select([wake_fd], [], [])  # only the pin stage has work
+            return True
+        if self.is_async:
+            return False
+        started = time.perf_counter()
+        self._answered(self._fetch(*self.task), started)
+        return True
+
+    def _answered(self, outcome: Outcome, started: float) -> None:
+        assert self.task is not None
+        task_id = self.task[0]
+        self.task = None
+        stream, self.stream = self.stream, None
+        # The calling process is the one "worker" here.
+        self.answer = Answer(0, task_id, outcome, stream, time.perf_counter() - started)
+
+    def _fetch(self, task_id: int, indices: Any) -> Outcome:
+        spec = self.spec
+        try:
+            if self.fetcher is None:
+                self.fetcher = Fetcher(
+                    spec.dataset_kind,
+                    spec.dataset,
+                    spec.auto_collation,
+                    spec.collate_fn,
+                    spec.drop_last,
+                    self.plan,
+                    in_calling_process=True,
+                    policy=spec.sample_policy,
+                )
+            batch = self.fetcher.fetch(indices)
+            self._record_stream()
+            return Batch(batch)
+        except StopIteration as exc:
+            if spec.dataset_kind == 1:
+                return StreamEnded()
+            return Raised(exc)
+        except Exception as exc:
+            # Raised as it is, with its own traceback, as torch does in this mode.
+            return Raised(exc)
+
+    def _record_stream(self) -> None:
+        """Where an IterableDataset's stream stands after this task's batch (for state_dict),
+        as a worker's reply says it."""
+        fetcher = self.fetcher
+        if fetcher.iterable:
+            # A copy: in this process the dataset's state object may be the live one, which
+            # later batches would change under the checkpoint.
+            state = copy.deepcopy(fetcher.state())
+            self.stream = StreamState(fetcher.samples_seen, state, fetcher.ended)
+
+    async def _fetch_async(self, task_id: int, indices: Any) -> Outcome:
+        spec = self.spec
+        try:
+            if self.fetcher is None:
+                if not self.context_entered and has_async_context(spec.dataset):
+                    await spec.dataset.__aenter__()
+                    self.context_entered = True
+                self.fetcher = AsyncFetcher(
+                    spec.dataset_kind,
+                    spec.dataset,
+                    spec.auto_collation,
+                    spec.collate_fn,
+                    spec.drop_last,
+                    self.plan,
+                    spec.worker_concurrency,
+                    policy=spec.sample_policy,
+                )
+            batch = await self.fetcher.fetch(indices)
+            self._record_stream()
+            return Batch(batch)
+        except StreamEnd:
+            return StreamEnded()
+        except Exception as exc:
+            return Raised(exc)
+
+    def close(self) -> None:
+        fetcher, self.fetcher = self.fetcher, None
+        if self.is_async and (self.context_entered or fetcher is not None):
+            self._close_async(fetcher)
+
+    def _close_async(self, fetcher: AsyncFetcher | None) -> None:
+        """Close the stream and exit the dataset's context on the loop they were used on.
+
+        ``close`` is synchronous. Under ``async for`` it runs in a worker thread of the
+        consumer's loop (``aclose()``, also at the end of a pass), from which anyio can run the
+        cleanup back on that loop, under any backend. Under ``for`` the private loop is idle
+        between steps, so the cleanup runs on it. Anywhere else (a pass abandoned under
+        ``async for`` and collected while its loop runs) nothing can await, and we say so.
+        """
+        dataset = self.spec.dataset
+        entered, self.context_entered = self.context_entered, False
+
+        failures: list[Exception] = []
+
+        async def cleanup() -> None:
+            # Errors are collected, not raised: close() also runs from finalizers, and a
+            # RuntimeError from here must not read as "not in an anyio thread" below.
+            try:
+                if fetcher is not None:
+                    await fetcher.aclose()
+            except Exception as exc:
+                failures.append(exc)
+            try:
+                if entered:
+                    await dataset.__aexit__(None, None, None)
+            except Exception as exc:
+                failures.append(exc)
+
+        done = False
+        try:
+            anyio.from_thread.run(cleanup)
+            done = True
+        except RuntimeError:
+            pass  # not in one of anyio's worker threads
+        if not done and not self.offload:
+            try:
+                _sync.run(cleanup())
+                done = True
+            except Exception as exc:
+                failures.append(exc)
+        for failure in failures:
+            warnings.warn(
+                f"aioload: closing {type(dataset).__name__} failed: {failure!r}",
+                ResourceWarning,
+                stacklevel=2,
+            )
+        if not done and entered:
+            warnings.warn(
+                f"aioload: the async context of {type(dataset).__name__} was not exited, "
+                "because the pass was abandoned without being closed; with num_workers=0 "
+                "under `async for`, close the iterator (`await it.aclose()`, or "
+                "`async with aiter(loader) as it`) to exit it",
+                ResourceWarning,
+                stacklevel=2,
+            )

@@ -1,0 +1,844 @@
+"""The worker process pool: start, pipes, results, death detection and shutdown.
+
+Everything the orchestrator waits on goes through one selector (epoll on Linux): each worker's
+socket and each worker's process sentinel, which becomes readable when the process exits. The
+selector's own descriptor is what the event loop waits on (``_aio.waiting.ReadableWait``), so
+one await covers every worker under asyncio, uvloop and trio alike, and nothing runs detached:
+between two awaits of the consumer, no aioload code runs at all. The sync front end blocks on
+the same selector directly (``wait_blocking``), with no event loop. Where the consumer needs
+one worker's answer next, either front end sleeps on that worker's answers alone (a poll set
+under ``for``, an epoll of its own under ``async for``), and on everything else a wait watches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import select
+import selectors
+import signal
+import socket
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from .._aio.waiting import ReadableWait
+from .._wire.channel import ChannelClosed, ParentChannel
+from .._wire.messages import (
+    Answer,
+    Batch,
+    Event,
+    Failed,
+    Failure,
+    FreeSlabs,
+    Outcome,
+    PassPlan,
+    PickledBatch,
+    Reply,
+    Reset,
+    SlabBatch,
+    Task,
+    ValueBatch,
+    WorkerLost,
+)
+from .._wire.packed import pack_to_worker, unpack_reply
+from .._wire.slabs import EAGER_FREE_BYTES, SlabMappings
+from ..errors import WorkerDiedError
+from .base import WorkerSpec
+
+__all__ = ["WorkerPool"]
+
+# How long shutdown waits for workers to leave by themselves before it kills them. An idle
+# worker leaves within a millisecond of seeing its socket close; only one that is busy inside
+# a slow __getitem__ can need the kill.
+SHUTDOWN_GRACE_S = 0.5
+# Upper bound of one wait on the selector, so that a failure no descriptor reports (in practice,
+# none is known) is still noticed.
+_HEALTH_CHECK_S = 1.0
+# A wait for one worker's answer (``wait_blocking``'s ``awaited``) leaves the others' answers in
+# their sockets until the parent wakes for it. A worker whose answers outgrow its socket's
+# buffer (about 200 KiB) would then block in its send, instead of starting its next batch,
+# until then: once one read from a worker brings in more than this, the pool's waits watch
+# every worker.
+# (A batch in a slab is answered in a few hundred bytes; a pickled one can be any size.)
+_AWAIT_ONE_MAX_READ = 64 * 1024
+
+# Parent ends of every pool's sockets, and every pool, in this process.
+_parent_fds: weakref.WeakSet[ParentChannel] = weakref.WeakSet()
+_pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
+# The worker ends of sockets whose worker is not forked yet (a staggered start): any other
+# process forked meanwhile must not hold one.
+_unforked_ends: weakref.WeakSet[socket.socket] = weakref.WeakSet()
+
+
+def _disown_after_fork() -> None:
+    """In a forked child (one of our workers, or any ``os.fork()`` of the user's), the pools and
+    sockets copied from the parent belong to the parent.
+
+    The child must not keep the parent's socket ends open: a worker whose socket end is also
+    held by a sibling would never see EOF when the parent dies. And it must never run their
+    shutdown: a copy of an abandoned pass collected inside the child would close descriptor
+    numbers the child may have reused, and kill the parent's workers. So the sockets are closed
+    here, once, through their own objects, and every pool is marked closed.
+    """
+    for channel in list(_parent_fds):
+        with contextlib.suppress(OSError):
+            channel.close()
+    _parent_fds.clear()
+    for end in list(_unforked_ends):
+        with contextlib.suppress(OSError):
+            end.close()
+    _unforked_ends.clear()
+    for pool in list(_pools):
+        pool.closed = True
+        pool.retired = True
+        pool._readable.forget_after_fork()
+        pool._awaited_epoll.forget_after_fork()
+        with contextlib.suppress(Exception):
+            pool.selector.close()
+
+
+os.register_at_fork(after_in_child=_disown_after_fork)
+
+
+def _payload(objects: tuple[Any, Any, Any], forking: bool) -> tuple[Any, Any, Any] | bytes:
+    """How ``(dataset, collate_fn, worker_init_fn)`` travel to each worker (in its
+    ``WorkerConfig``, which is part of ``Process(args=...)``).
+
+    - fork: the objects themselves. The workers inherit them; nothing is pickled.
+    - spawn and forkserver, fast path: pickled here once, and the same bytes go to every worker
+      (and to any replacement), rather than one pickle of the dataset per worker.
+    - spawn and forkserver, when that pickle fails: the objects themselves, so that each
+      ``Process.start()`` pickles them while it is spawning, as torch's loader does. That is
+      the only time multiprocessing lets a Lock, Event, Condition, Value or Queue of the
+      loader's context cross to a child ("... should only be shared between processes through
+      inheritance" otherwise). ``start()`` still does not wait for a worker to come up, so
+      the workers start concurrently either way.
+    - anything else that cannot be pickled (a thread lock, an open file) cannot be pickled
+      while spawning either: it raises here, before ``Process.start()`` would start
+      multiprocessing's resource tracker (or forkserver) only to fail, leaving that helper
+      process behind.
+    """
+    if forking:
+        return objects
+    try:
+        return pickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
+    except RuntimeError as error:
+        # Only the "shared through inheritance" refusal is worth a second try while spawning.
+        if "inheritance" not in str(error):
+            raise
+        return objects
+
+
+class _WorkerHandle:
+    """The parent's handle on one worker process: its process, socket and slab mappings."""
+
+    def __init__(self, worker_id: int, channel: ParentChannel, child_end: socket.socket) -> None:
+        self.worker_id = worker_id
+        # None until the worker is forked (WorkerPool._fork); its end of the socket is held
+        # here until then.
+        self.process: Any = None
+        self.pid: int | None = None
+        self.child_end: socket.socket | None = child_end
+        self.channel = channel
+        self.mappings = SlabMappings()
+        self.exited = False
+        self.release: Callable[[int], None] = _no_release
+        # Small freed slabs waiting to ride along with this worker's next task (see
+        # EAGER_FREE_BYTES).
+        self.deferred_frees: list[int] = []
+        # Whether the selector watches its socket for writability (see WorkerPool._pump_out).
+        self.watching_write = False
+
+    def take_deferred_frees(self) -> tuple[int, ...]:
+        freed = tuple(self.deferred_frees)
+        self.deferred_frees.clear()
+        return freed
+
+
+class _Selector(selectors.DefaultSelector):
+    """The pool's selector, counting the changes to what it watches: ``WorkerPool._wait_for``
+    keeps the poll set it made from the registrations until they change."""
+
+    changes = 0
+
+    def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        self.changes += 1
+        return super().register(fileobj, events, data)
+
+    def unregister(self, fileobj: Any) -> selectors.SelectorKey:
+        self.changes += 1
+        return super().unregister(fileobj)
+
+    def modify(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        self.changes += 1
+        return super().modify(fileobj, events, data)
+
+
+def _awaited_events(key: selectors.SelectorKey, awaited: _WorkerHandle) -> tuple[bool, bool]:
+    """What a wait for ``awaited``'s answer watches of a selector registration: (readable,
+    writable). Everything the selector watches, less the other workers' answers."""
+    worker, what = key.data
+    read = bool(key.events & selectors.EVENT_READ) and (what != "sock" or worker is awaited)
+    return read, bool(key.events & selectors.EVENT_WRITE)
+
+
+class _AwaitedEpoll:
+    """The async door's wait for one worker's answer (``WorkerPool.wait``'s ``awaited``): an
+    epoll holding what the selector holds, with only the awaited worker's socket watched for
+    answers, and the one ``ReadableWait`` on it that the loop keeps from wait to wait.
+
+    The sync door makes a poll set per awaited worker (``WorkerPool._wait_for``) and switches
+    between them for free. The loop can only watch descriptors, and moving its reader from one
+    to another costs two ``epoll_ctl`` calls and the loop's own bookkeeping (about 14 us a wait,
+    see ReadableWait). So the descriptor stays and what it reports moves: when the awaited
+    worker changes, two ``epoll.modify`` calls, one system call each, take the answers of the
+    one out and put the other's in.
+
+    A change of the selector's registrations (a worker lost or replaced, a write watched or no
+    longer, the pin stage's pipe) makes a new epoll, and a new ``ReadableWait`` on it, rather
+    than mirror the change: a socket closed while registered, its number then reused, would leave
+    a registration of the old file in the old epoll that no call can name any more.
+    """
+
+    def __init__(self) -> None:
+        self.epoll: select.epoll | None = None
+        self.readable: ReadableWait | None = None
+        self.awaited: _WorkerHandle | None = None
+        self.made_at = -1  # the selector's count of changes the epoll was made at
+
+    async def wait(self, selector: _Selector, awaited: _WorkerHandle, budget: float) -> bool:
+        """Whether anything woke it within ``budget`` seconds."""
+        if self.epoll is None or self.readable is None or self.made_at != selector.changes:
+            self._make(selector, awaited)
+        elif self.awaited is not awaited:
+            self._move(selector, awaited)
+        assert self.readable is not None
+        return await self.readable.wait(budget)
+
+    def _make(self, selector: _Selector, awaited: _WorkerHandle) -> None:
+        self.close()
+        epoll = select.epoll()
+        try:
+            for key in selector.get_map().values():
+                epoll.register(key.fd, _epoll_mask(*_awaited_events(key, awaited)))
+        except BaseException:
+            epoll.close()
+            raise
+        self.epoll, self.readable = epoll, ReadableWait(epoll.fileno())
+        self.awaited, self.made_at = awaited, selector.changes
+
+    def _move(self, selector: _Selector, awaited: _WorkerHandle) -> None:
+        assert self.epoll is not None
+        try:
+            for worker in (self.awaited, awaited):
+                if worker is not None:
+                    key = selector.get_key(worker.channel.sock)
+                    self.epoll.modify(key.fd, _epoll_mask(*_awaited_events(key, awaited)))
+        except (KeyError, ValueError, OSError):
+            # Not registered any more (its socket closed): the selector's count has moved too,
+            # unless the socket was closed without unregistering; make it anew either way.
+            self._make(selector, awaited)
+            return
+        self.awaited = awaited
+
+    def stop_watching(self) -> None:
+        """The loop lets go of the epoll (a wait of another kind is next); kept for later."""
+        if self.readable is not None:
+            self.readable.close()
+
+    def close(self) -> None:
+        # The loop lets go of the descriptor (from its own thread) before it is closed.
+        readable, epoll = self.readable, self.epoll
+        self.readable = self.epoll = None
+        self.awaited = None
+        if readable is not None:
+            readable.close()
+        if epoll is not None:
+            epoll.close()
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: let go of the parent's epoll without touching its loop."""
+        if self.readable is not None:
+            self.readable.forget_after_fork()
+        if self.epoll is not None:
+            with contextlib.suppress(OSError):
+                self.epoll.close()
+        self.readable = self.epoll = None
+
+
+def _epoll_mask(read: bool, write: bool) -> int:
+    # (0 is a valid mask: the descriptor then reports only errors and hang-ups, which a wait
+    # wants to hear of anyway.)
+    return (select.EPOLLIN if read else 0) | (select.EPOLLOUT if write else 0)
+
+
+def _poll_blocking(watched: select.poll, budget: float) -> list[tuple[int, int]]:
+    """``watched.poll()`` for at most ``budget`` seconds (poll takes milliseconds, and rounds
+    a fraction up). A function of its own so that a profile tells the sleep from the work
+    around it (``bench.parent_profile``)."""
+    return watched.poll(budget * 1e3)
+
+
+def _no_release(slab_id: int) -> None:
+    pass
+
+
+def _describe_exit(worker: _WorkerHandle) -> tuple[str, int | None]:
+    code = worker.process.exitcode
+    pid = worker.pid
+    if code is not None and code < 0:
+        signum = -code
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        text = signal.strsignal(signum) or name
+        return f"DataLoader worker (pid {pid}) is killed by signal: {text} ({name}).", code
+    return f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {code}.", code
+
+
+class WorkerPool:
+    """``num_workers`` processes, each with its own socket, serving index tasks: the process
+    implementation of ``_backends.base.WorkerBackend``. Health checks (process sentinels, exit codes)
+    and the pin stage's wake-up descriptor stay in here, behind one selector."""
+
+    def __init__(self, spec: WorkerSpec, base_seed: int, *, stagger: bool = False) -> None:
+        self.spec = spec
+        # Fork worker 0 now and the others as their first task goes out (see _start).
+        self.stagger = stagger
+        self.num_workers = spec.num_workers
+        self.base_seed = base_seed
+        self.generation = 0
+        self.passes = 0
+        self.closed = False
+        # Usable for this pass, but not for another: a worker whose init failed, or one stuck
+        # in a sample a pass timed out on. A persistent loader starts a fresh pool next pass.
+        self.retired = False
+        self.workers: list[_WorkerHandle] = []
+        # Slabs whose batch the consumer has let go of, from any thread (a lease dies wherever
+        # its last reference is dropped, often inside the garbage collector). deque.append is
+        # atomic, and the queue is drained only on the orchestrator's side.
+        self.releases: deque[tuple[_WorkerHandle, int]] = deque()
+        self.selector = _Selector()
+        # The async front end's wait on the selector (its reader kept from wait to wait).
+        self._readable = ReadableWait(self.selector.fileno())
+        # Its wait for one worker's answer (see wait's ``awaited``).
+        self._awaited_epoll = _AwaitedEpoll()
+        self._wake_fd: int | None = None
+        # This pass's plan for each worker (a replacement gets its slot's plan again).
+        self.plans: list[PassPlan] = [PassPlan()] * self.num_workers
+        # Deaths seen while waiting (by the health check), reported by the next poll().
+        self._lost: list[Event] = []
+        # What woke wait_blocking's select, for the poll() right after it.
+        self._woken: list[tuple[selectors.SelectorKey, int]] | None = None
+        # Whether a wait may watch one worker's answers alone (see _AWAIT_ONE_MAX_READ), and
+        # the poll sets of such waits, by awaited worker, made at the selector's count of
+        # changes in ``_await_sets_at``.
+        self._await_one = True
+        self._await_sets: dict[_WorkerHandle, select.poll] = {}
+        self._await_sets_at = 0
+        self._owner_pid = os.getpid()
+        _pools.add(self)
+        self._start()
+
+    # -- start -------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        spec = self.spec
+        self._ctx = spec.multiprocessing_context or multiprocessing.get_context()
+        self._forking = self._ctx.get_start_method() == "fork"
+        self._payload = _payload(
+            (spec.dataset, spec.collate_fn, spec.worker_init_fn), forking=self._forking
+        )
+        # A staggered start (the sync front end) forks worker 0 here and each other worker
+        # as its first task goes out, or at the first wait: worker 0 starts on its first
+        # batch while the others are forked (a few ms each, most of it copying the parent's
+        # page tables), instead of after all of them. The first batch comes from worker 0,
+        # so it arrives sooner: the first next() on tiny with 2 workers, 18.3 -> 16.9 ms
+        # (medians of 8 fresh processes each; worker 0's own start, 8-13 ms, is the rest).
+        # Under async for the pool starts in a thread, and a fork on the loop would stall
+        # it: every worker is forked there, at once.
+        try:
+            for worker_id in range(self.num_workers):
+                # (Each socket is made after the previous fork: no worker inherits the end of
+                # one forked before it. Ends of later ones are closed in it: _unforked_ends.)
+                worker = self._prepare(worker_id)
+                self.workers.append(worker)
+                if worker_id == 0 or not self.stagger:
+                    self._fork(worker)
+        except BaseException:
+            self.close(grace=0.0)
+            raise
+
+    def _spawn(self, worker_id: int) -> _WorkerHandle:
+        worker = self._prepare(worker_id)
+        try:
+            self._fork(worker)
+        except BaseException:
+            self._unregister(worker)
+            raise
+        return worker
+
+    def _prepare(self, worker_id: int) -> _WorkerHandle:
+        """A worker's socket and handle, before its process: what the parent sends it waits
+        in the socket until the fork."""
+        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        channel = ParentChannel(parent_sock, unpack=unpack_reply, pack=pack_to_worker)
+        # Registered before any fork, so that the worker (and any other process forked from
+        # here) closes its inherited copy of our end (see _disown_after_fork): holding it, a
+        # worker would never see EOF from us.
+        _parent_fds.add(channel)
+        _unforked_ends.add(child_sock)
+        worker = _WorkerHandle(worker_id, channel, child_sock)
+        worker.release = self._make_release(worker)
+        self.selector.register(channel.sock, selectors.EVENT_READ, (worker, "sock"))
+        return worker
+
+    def _fork(self, worker: _WorkerHandle) -> None:
+        # The worker-side code is imported on the first fork, not with the package: the
+        # parent never runs it, a fork only needs it in memory, and `import aioload` stays cheap.
+        from .._worker.main import worker_main
+
+        child_sock = worker.child_end
+        assert child_sock is not None
+        config = self.spec.worker_config(
+            worker.worker_id,
+            self.base_seed,
+            self.generation,
+            payload=self._payload,
+            shared_memory=True,
+        )
+        process = self._ctx.Process(
+            target=worker_main,
+            args=(config, child_sock),
+            name=f"aioload-worker-{worker.worker_id}",
+            daemon=True,
+        )
+        # Its own end, the new worker keeps.
+        _unforked_ends.discard(child_sock)
+        try:
+            # start() does not wait for the worker to initialise, so workers come up
+            # concurrently.
+            process.start()
+        finally:
+            # Our copy of the child's end must go, or the child's death would not close its
+            # socket.
+            worker.child_end = None
+            child_sock.close()
+        worker.process = process
+        worker.pid = process.pid
+        self.selector.register(process.sentinel, selectors.EVENT_READ, (worker, "exit"))
+
+    def _fork_if_waiting(self, worker: _WorkerHandle) -> None:
+        """Fork a worker of a staggered start that is still waiting for its fork (not one
+        whose socket is already closed)."""
+        if worker.process is None and worker.child_end is not None:
+            self._fork(worker)
+
+    def _fork_the_rest(self) -> None:
+        """Fork every worker of a staggered start that is not forked yet."""
+        for worker in self.workers:
+            self._fork_if_waiting(worker)
+
+    def _unregister(self, worker: _WorkerHandle) -> None:
+        """Close a worker's socket, both ends (one that never got a process)."""
+        _parent_fds.discard(worker.channel)
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(worker.channel.sock)
+        worker.channel.close()
+        end, worker.child_end = worker.child_end, None
+        if end is not None:
+            _unforked_ends.discard(end)
+            end.close()
+
+    def _make_release(self, worker: _WorkerHandle) -> Callable[[int], None]:
+        # Keyed by the worker *incarnation*: a replacement numbers its slabs from 0 again, so a
+        # late release of a dead worker's slab must never reach its successor.
+        releases = self.releases
+
+        def release(slab_id: int) -> None:
+            releases.append((worker, slab_id))
+
+        return release
+
+    # -- tasks -------------------------------------------------------------------------------
+
+    def start_pass(self, plans: list[PassPlan]) -> None:
+        """Start a new generation (a new pass over the sampler). Answers to tasks of older
+        generations are dropped, and every worker gets the pass's plan, on which it makes
+        its fetcher (IterableDataset workers re-create their iterator)."""
+        if self.closed:
+            raise RuntimeError("aioload: the worker pool has been shut down")
+        self._lost.clear()
+        # The previous pass's pin stage pipe is closed by now, and its number may come back
+        # for this pass's pipe: a closed descriptor leaves epoll by itself, so the selector's
+        # record of it must go too, or the new pipe would never be registered.
+        self._watch(None)
+        # What a wait of an earlier pass saw is not this pass's news: poll() selects afresh.
+        self._woken = None
+        self.plans = list(plans)
+        if self.passes:
+            self.generation += 1
+        self.passes += 1
+        for worker in self.workers:
+            if worker.deferred_frees:
+                worker.channel.queue(FreeSlabs(list(worker.take_deferred_frees())))
+            worker.channel.queue(Reset(self.generation, self.plans[worker.worker_id]))
+        self._flush()
+
+    def submit(self, worker_id: int, task_id: int, indices: Any) -> None:
+        # Written at once (what does not fit waits for writability): the orchestrator refills
+        # the prefetch window as it hands a batch over, and the task must reach its worker
+        # while the consumer works on that batch, not at the consumer's next request.
+        worker = self.workers[worker_id]
+        self._fork_if_waiting(worker)  # a staggered start: its first task (see _start)
+        self._queue_frees()
+        freed = worker.take_deferred_frees() if worker.deferred_frees else ()
+        worker.channel.queue(Task(task_id, self.generation, indices, freed))
+        self._flush()
+
+    def _queue_frees(self) -> None:
+        """Put the large slabs the consumer has let go of in their workers' outboxes (unsent),
+        and set the small ones aside for each worker's next task (EAGER_FREE_BYTES)."""
+        if not self.releases:
+            return
+        freed: dict[_WorkerHandle, list[int]] = {}
+        while self.releases:
+            worker, slab_id = self.releases.popleft()
+            if worker.exited or worker.channel.closed:
+                continue
+            mapping = worker.mappings.maps.get(slab_id)
+            if mapping is not None and len(mapping) >= EAGER_FREE_BYTES:
+                freed.setdefault(worker, []).append(slab_id)
+            else:
+                worker.deferred_frees.append(slab_id)
+        for worker, slab_ids in freed.items():
+            worker.channel.queue(FreeSlabs(slab_ids))
+
+    def _flush(self) -> None:
+        """Return freed slabs to their workers and write what fits of every outbox."""
+        self._queue_frees()
+        for worker in self.workers:
+            if worker.channel.outbox and not worker.channel.closed:
+                self._pump_out(worker)
+
+    def _pump_out(self, worker: _WorkerHandle) -> None:
+        """Write what fits of a worker's outbox, and watch for writability while some is left."""
+        # (Not contextlib.suppress: this runs for every batch, and the context manager costs
+        # more than the send's bookkeeping.)
+        try:  # noqa: SIM105 - its death is reported through its sentinel
+            worker.channel.pump_out()
+        except ChannelClosed:
+            pass
+        # Writability is watched only while something is left: epoll would otherwise report a
+        # writable socket on every wait. The handle remembers what is registered, so the
+        # common case (all sent, nothing watched) costs no selector call.
+        watch_write = bool(worker.channel.outbox)
+        if watch_write != worker.watching_write:
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if watch_write else 0)
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.modify(worker.channel.sock, events, (worker, "sock"))
+                worker.watching_write = watch_write
+
+    # -- results -----------------------------------------------------------------------------
+
+    def poll(self) -> list[Event]:
+        """Everything that has arrived, without waiting.
+
+        Freed slabs are only queued here, not sent. A small one waits for its worker's next
+        task (``submit`` sends it on the task) or the next pass's ``start_pass``: a worker
+        with no task needs no slab. A large one goes out with the next write to its worker:
+        the ``submit`` that refills the window right after this if the refill is for that
+        worker, else the flush before the next wait (``_before_wait``), so that the worker
+        has it back before it starts its next batch. Only a step that hands a batch over and
+        sends nothing leaves a large one queued until then: at the end of the sampler, or for
+        a worker whose IterableDataset stream has ended; neither worker has a task that needs
+        the slab."""
+        self._queue_frees()
+        events: list[Event] = []
+        if self._lost:
+            events.extend(self._lost)
+            self._lost.clear()
+        dead: list[_WorkerHandle] = []
+        woken, self._woken = self._woken, None
+        # (Registrations may have changed since wait_blocking's select: a stale key is for a
+        # worker already handled, which the checks below skip.)
+        for key, mask in woken if woken is not None else self.selector.select(0):
+            worker, what = key.data
+            if what == "wake":
+                continue  # its owner drains it
+            if what == "exit":
+                dead.append(worker)
+                continue
+            if mask & selectors.EVENT_WRITE:
+                self._pump_out(worker)
+            if mask & selectors.EVENT_READ:
+                self._read(worker, events)
+        for worker in dead:
+            # Answers the worker sent before it died are still good: take them first.
+            self._read(worker, events)
+            self._on_death(worker, events)
+        return events
+
+    def _read(self, worker: _WorkerHandle, events: list[Event]) -> None:
+        if worker.channel.closed:
+            return
+        try:
+            replies = worker.channel.pump_in()
+        except ChannelClosed:
+            # The worker is exiting; its sentinel reports how.
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(worker.channel.sock)
+            return
+        if worker.channel.last_read > _AWAIT_ONE_MAX_READ:
+            self._await_one = False
+        for reply in replies:
+            answer = self._decode(worker, reply)
+            if answer is not None:
+                events.append(answer)
+
+    def _decode(self, worker: _WorkerHandle, reply: Reply) -> Answer | None:
+        """A reply as the engine sees it; None for a reply of an older pass (dropped)."""
+        worker.mappings.drop(reply.dropped_slabs)
+        result = reply.result
+        current = reply.generation == self.generation
+        outcome: Outcome
+        if isinstance(result, SlabBatch):
+            if result.capacity:
+                worker.mappings.add(result.slab_id, worker.channel.take_fd(), result.capacity)
+            if not current:
+                if result.slab_id >= 0:
+                    self.releases.append((worker, result.slab_id))
+                return None
+            outcome = Batch(
+                worker.mappings.decode(
+                    result.slab_id, result.used, result.payload, result.leaves, worker.release
+                )
+            )
+        elif not current:
+            return None
+        elif isinstance(result, PickledBatch):
+            outcome = Batch(pickle.loads(result.payload))
+        elif isinstance(result, ValueBatch):
+            outcome = Batch(result.value)
+        elif isinstance(result, Failure):
+            if getattr(result.error, "from_init", False):
+                self.retired = True
+            outcome = Failed(result.error)
+        else:
+            outcome = result
+        return Answer(worker.worker_id, reply.task_id, outcome, reply.stream, reply.busy_s)
+
+    def _on_death(self, worker: _WorkerHandle, events: list[Event]) -> None:
+        if worker.exited:
+            return
+        worker.exited = True
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(worker.process.sentinel)
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(worker.channel.sock)
+        # The sentinel closes while the process exits, a moment before it can be reaped: wait
+        # for the exit status rather than reading None (bounded; the process is on its way out).
+        worker.process.join(timeout=2.0)
+        if self.closed:
+            return
+        message, code = _describe_exit(worker)
+        error = WorkerDiedError(message, worker_id=worker.worker_id, pid=worker.pid, exitcode=code)
+        events.append(WorkerLost(worker.worker_id, error))
+
+    def restart(self, worker_id: int) -> None:
+        """Replace a lost worker with a fresh process in the same slot, on this pass's plan.
+        Its predecessor's answers were taken in before its loss was reported."""
+        old = self.workers[worker_id]
+        self._retire(old)
+        replacement = self._spawn(worker_id)
+        self.workers[worker_id] = replacement
+        replacement.channel.queue(Reset(self.generation, self.plans[worker_id]))
+
+    def _retire(self, worker: _WorkerHandle) -> None:
+        # Its mappings stay alive as long as batches the consumer holds reference them.
+        _parent_fds.discard(worker.channel)
+        worker.channel.close()
+        with contextlib.suppress(ValueError, AssertionError):
+            worker.process.join(timeout=1.0)
+            worker.process.close()
+
+    def abandon(self, worker_id: int) -> None:
+        """SIGKILL a worker that stopped answering (a hung one); its death is then reported
+        by poll() as any other."""
+        with contextlib.suppress(ProcessLookupError, OSError, ValueError):
+            self.workers[worker_id].process.kill()
+
+    def retire(self) -> None:
+        self.retired = True
+
+    def describe(self, worker_id: int) -> str:
+        worker = self.workers[worker_id]
+        self._fork_if_waiting(worker)  # a worker is named by its pid: it needs one now
+        return f"pid {worker.pid}"
+
+    async def wait(
+        self, deadline: float, wake_fd: int | None = None, awaited: int | None = None
+    ) -> None:
+        """Wait until something may have arrived, a worker exited, ``wake_fd`` (the pin
+        stage's pipe) became readable, or ``deadline`` (in ``time.monotonic()`` seconds;
+        ``math.inf`` for none) passes. With ``awaited`` (and small answers), only that
+        worker's answers end the wait, as in ``wait_blocking`` (``_AwaitedEpoll``)."""
+        budget = self._before_wait(deadline, wake_fd)
+        if budget <= 0:
+            return
+        # Of the two waits, only the one in use may keep a reader on the loop: the other's,
+        # level-triggered, would wake it for the answers this one leaves out.
+        if awaited is not None and self._await_one:
+            self._readable.close()
+            woken = await self._awaited_epoll.wait(self.selector, self.workers[awaited], budget)
+        else:
+            self._awaited_epoll.stop_watching()
+            woken = await self._readable.wait(budget)
+        if not woken:
+            # Nothing woke us: only then is a health check worth its syscalls, since every
+            # worker's death already wakes us through its sentinel.
+            self._check_health()
+
+    def wait_blocking(
+        self, deadline: float, wake_fd: int | None = None, awaited: int | None = None
+    ) -> bool:
+        """``wait`` in the calling thread: the selector itself blocks, or with ``awaited``
+        (and small answers) a ``poll`` of that worker's socket and of what every wait watches
+        besides answers (``_wait_for``). What the selector's wait saw is kept for the ``poll``
+        that follows, which then needs no select of its own; after a ``_wait_for`` it selects
+        afresh, and so takes in every worker's answers that are here, not only the awaited
+        one's (the others' wait for their turn in the reorder buffer, as before, and
+        ``LoaderStats`` counts them as waiting there, not as in flight)."""
+        budget = self._before_wait(deadline, wake_fd)
+        if budget > 0:
+            if awaited is not None and self._await_one:
+                self._woken = None  # the poll() after it selects afresh
+                woken = self._wait_for(self.workers[awaited], budget)
+            else:
+                self._woken = self.selector.select(budget)
+                woken = bool(self._woken)
+            if not woken:
+                self._check_health()  # as in wait(): only when nothing woke us
+        return True
+
+    def _wait_for(self, awaited: _WorkerHandle, budget: float) -> bool:
+        """Sleep until ``awaited`` answers, a worker exits, a socket with an outbox left takes
+        more, the wake descriptor is readable, or ``budget`` seconds pass; whether anything
+        woke it.
+
+        The selector's registrations stay as they are (every worker's answers): a poll set
+        per awaited worker is made from them, less the other workers' answers, and kept until
+        they change (a write watched or no longer, a worker lost or replaced, another pin
+        stage pipe). Making one costs about 2 us, most of it the selector's mapping view."""
+        if self._await_sets_at != self.selector.changes:
+            self._await_sets.clear()
+            self._await_sets_at = self.selector.changes
+        watched = self._await_sets.get(awaited)
+        if watched is None:
+            watched = self._await_sets[awaited] = self._await_set(awaited)
+        return bool(_poll_blocking(watched, budget))
+
+    def _await_set(self, awaited: _WorkerHandle) -> select.poll:
+        watched = select.poll()
+        for key in self.selector.get_map().values():
+            read, write = _awaited_events(key, awaited)
+            if read or write:
+                watched.register(
+                    key.fd, (select.POLLIN if read else 0) | (select.POLLOUT if write else 0)
+                )
+        return watched
+
+    def _before_wait(self, deadline: float, wake_fd: int | None) -> float:
+        """Send what is queued and watch ``wake_fd``; how long the wait may last (at most
+        the health-check period)."""
+        self._fork_the_rest()  # a staggered start's workers that got no task yet
+        self._flush()
+        if wake_fd != self._wake_fd:
+            self._watch(wake_fd)
+        return min(deadline - time.monotonic(), _HEALTH_CHECK_S)
+
+    def _watch(self, fd: int | None) -> None:
+        # The previous pass's pin stage pipe, if any, is closed by now: forget it.
+        if self._wake_fd is not None:
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self.selector.unregister(self._wake_fd)
+        self._wake_fd = fd
+        if fd is not None:
+            self.selector.register(fd, selectors.EVENT_READ, (None, "wake"))
+
+    def _check_health(self) -> None:
+        """Catch a worker that exited without its sentinel being seen yet."""
+        for worker in self.workers:
+            if worker.process is None:
+                continue
+            if not worker.exited and worker.process.exitcode is not None:
+                answers: list[Event] = []
+                self._read(worker, answers)
+                self._on_death(worker, answers)
+                self._lost.extend(answers)
+
+    # -- shutdown ----------------------------------------------------------------------------
+
+    def close(self, grace: float = SHUTDOWN_GRACE_S) -> None:
+        """Stop every worker and release every resource. Bounded: at most ``grace`` seconds
+        of waiting, then SIGKILL. Safe to call twice, from a finalizer, or after a fork."""
+        if self.closed or os.getpid() != self._owner_pid:
+            return
+        self.closed = True
+        self.retired = True
+        # 1. Close our ends first. An idle worker sees EOF in its poll() and leaves at once; a
+        #    busy one gets EPIPE on its next answer. No "stop" message is needed, and none can
+        #    get stuck behind a full socket.
+        #    (A worker of a staggered start that was never forked has only its socket.)
+        for worker in self.workers:
+            _parent_fds.discard(worker.channel)
+            worker.channel.close()
+            if worker.process is None:
+                self._unregister(worker)
+        forked = [w for w in self.workers if w.process is not None]
+        # 2. Give them ``grace`` seconds to leave on their own, waiting on all sentinels at once.
+        pending = [w for w in forked if w.process.exitcode is None]
+        deadline = time.monotonic() + grace
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ready = multiprocessing.connection.wait(
+                [w.process.sentinel for w in pending], timeout=left
+            )
+            # A ready sentinel means the process is exiting, but it closes a moment before the
+            # process can be reaped, and ``exitcode`` reads None until then: waiting on the
+            # sentinel again would return at once, a busy loop (hundreds of turns, milliseconds
+            # of CPU per pool). join() on a ready sentinel waits for the exit status instead.
+            for worker in pending:
+                if worker.process.sentinel in ready:
+                    worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
+            pending = [w for w in pending if w.process.exitcode is None]
+        # 3. Whoever is still there is stuck in user code: kill it. SIGKILL cannot be caught, so
+        #    the join below is bounded.
+        for worker in pending:
+            with contextlib.suppress(ProcessLookupError, OSError, ValueError):
+                worker.process.kill()
+        for worker in forked:
+            with contextlib.suppress(ValueError, AssertionError):
+                worker.process.join(timeout=5.0)
+                # Process.close() releases the sentinel descriptor now rather than at GC.
+                worker.process.close()
+        for worker in self.workers:
+            worker.exited = True
+        # 4. Unmapping our side happens as leases die: a batch the user still holds stays valid.
+        for worker in self.workers:
+            worker.mappings.clear()
+        # The loop lets go of the selector (from its own thread) before we close it.
+        self._readable.close()
+        self._awaited_epoll.close()
+        with contextlib.suppress(Exception):
+            self.selector.close()
+        self.releases.clear()

@@ -1,0 +1,1 @@
+"""The engine: one orchestrator per pass (dispatch, reorder, health, shutdown), resume, pinning."""

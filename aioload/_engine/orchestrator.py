@@ -1,0 +1,718 @@
+"""The async engine behind both iterators: dispatch, reorder, health, timeouts, shutdown.
+
+One Orchestrator serves one pass over the sampler, described by one frozen ``PassSetup``. It is
+pure bookkeeping on the event loop: it sends ``(task_id, indices)`` to the workers of a
+``_backends.base.WorkerBackend`` (processes, the calling process, or Ray actors), keeps at most
+``prefetch_factor * num_workers`` tasks between "sent" and "yielded", and hands batches out in
+task-id order (or as they complete, with ``in_order=False``). It starts no tasks of its own:
+all of its work happens inside the consumer's ``await engine.next()``, so it needs no task
+group, cannot leak a background task, and is cancelled exactly when the consumer is.
+
+The sync front end drives the same orchestrator without an event loop where it can
+(``next_blocking``: the waits block the calling thread). anyio is imported only under trio
+(or where the program has imported it already), so neither ``for batch in loader`` nor
+``async for`` under asyncio pays for importing it.
+
+Worker assignment follows torch's DataLoader (round robin over active workers, and with
+``in_order=False`` a per-worker cap), so each index lands on the same worker id as it would under
+torch, and datasets with per-worker random augmentation produce the same batches.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+import types
+import warnings
+from collections import deque
+from collections.abc import Callable, Generator, Iterator
+from typing import Any, NamedTuple, NoReturn
+
+from .._aio.waiting import run_off_loop, running_asyncio_loop
+from .._backends.base import WorkerBackend
+from .._wire.messages import (
+    AllSkipped,
+    Answer,
+    Batch,
+    Failed,
+    Outcome,
+    PassPlan,
+    Raised,
+    StreamEnded,
+    WorkerLost,
+)
+from .._worker.fetch import take_skips
+from ..errors import DataLoaderTimeoutError
+from ..stats import PassStats, SkipCap, SkippedSample
+from .pinning import PinStage, Transfer
+from .resume import PassProgress, StreamPoint
+
+__all__ = ["END", "PENDING", "Orchestrator", "PassSetup"]
+
+
+class _End:
+    def __repr__(self) -> str:
+        return "END"
+
+
+END: Any = _End()
+PENDING: Any = object()
+
+
+class PassSetup(NamedTuple):
+    """Everything one pass needs to know, decided once when the pass is made (see
+    ``DataLoader._pass_setup``)."""
+
+    # (sampler position, indices), resumed positions already left out (``_engine.resume.PassStart``).
+    batches: Iterator[tuple[int, Any]]
+    num_workers: int
+    prefetch: int
+    in_order: bool
+    timeout: float
+    max_worker_restarts: int
+    # Where the pass records what it yielded (for state_dict()), and each worker's plan.
+    progress: PassProgress
+    plans: list[PassPlan]
+    # Start the backend in a thread (``async for`` with worker processes: forking takes
+    # milliseconds each and must not hold the caller's event loop).
+    offload_start: bool
+    # Workers in other processes (the IterableDataset length warning says so).
+    multiprocess: bool
+    # The pin / host-to-device stage, if any.
+    transfer: Transfer | None = None
+    # torch's IterableDataset length warning: len(dataloader) as reported, and the dataset.
+    iterable_len: int | None = None
+    dataset: Any = None
+    # max_skipped, if any (on_sample_error).
+    skip_cap: SkipCap | None = None
+
+
+# The backend before the first next() starts it (every use checks for this first).
+_NOT_STARTED: Any = object()
+
+
+class PassResources:
+    """What one pass must release: its pin stage, and its backend when it owns it. A finalizer
+    holds this, not the orchestrator, so an abandoned pass (``break``, ``del``) is still
+    cleaned up when it is collected."""
+
+    def __init__(self) -> None:
+        self.backend: WorkerBackend | None = None
+        self.stage: PinStage | None = None
+
+    def close(self) -> None:
+        # The stage first: it may be working on a batch, and nothing after it needs it.
+        stage, self.stage = self.stage, None
+        if stage is not None:
+            stage.close()
+        backend, self.backend = self.backend, None
+        if backend is not None:
+            backend.close()
+
+
+class _Sent(NamedTuple):
+    """A task sent and not yet answered."""
+
+    worker_id: int
+    indices: Any
+
+
+class _Assigned(NamedTuple):
+    """A task sent and not yet yielded."""
+
+    worker_id: int
+    position: int  # in sampler order
+    # Where the worker's IterableDataset stream stood after it, once answered.
+    point: StreamPoint | None = None
+
+
+class _Done(NamedTuple):
+    """An answered task waiting for its turn; its sample count travels with it."""
+
+    worker_id: int
+    outcome: Outcome
+    samples: int
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        backend: Callable[[], WorkerBackend],
+        setup: PassSetup,
+        *,
+        owns_backend: bool,
+        stats: PassStats | None = None,
+    ) -> None:
+        # The backend (worker pool) is built on the first next(): under ``async for`` that
+        # runs in a thread, see PassSetup.offload_start.
+        self._make_backend = backend
+        self.owned = PassResources()
+        self._backend: WorkerBackend = _NOT_STARTED
+        self._setup = setup
+        self._stage: PinStage | None = None
+        # Batches leave through _deliver, which records them here for state_dict().
+        self.progress = progress = setup.progress
+        self._batches = setup.batches
+        num_workers = self._num_workers = setup.num_workers
+        self._capacity = setup.prefetch * num_workers
+        self._in_order = setup.in_order
+        self._timeout = setup.timeout
+        self._owns_backend = owns_backend
+        self.stats = stats if stats is not None else PassStats(num_workers, False, False)
+        self.stats.resumed_batches = len(progress.yielded)
+        # Healing: how many more lost workers this pass may replace.
+        self._restarts_left = setup.max_worker_restarts
+
+        self._send_idx = 0  # id of the next task to send
+        self._rcvd_idx = 0  # id of the next task to yield (in order)
+        self._inflight: dict[int, _Sent] = {}
+        self._assigned: dict[int, _Assigned] = {}
+        # Tasks handed to the pin stage, in order (it keeps order), with their sample counts.
+        self._staged: deque[tuple[int, int]] = deque()
+        # Answered, waiting for their turn (in order).
+        self._reorder_buffer: dict[int, _Done] = {}
+        # Answered, in arrival order (in_order=False): (task id, answer).
+        self._completed: deque[tuple[int, _Done]] = deque()
+        # Tasks between "sent" and "yielded or skipped", the quantity prefetch bounds.
+        self._unyielded = 0
+        self._per_worker = [0] * num_workers
+        # A resumed IterableDataset pass: streams that had run dry stay so.
+        self._active = [not progress.streams[w].ended for w in range(num_workers)]
+        # Samples each IterableDataset stream had drawn by its last answer.
+        self._samples_seen = [progress.streams[w].samples_seen for w in range(num_workers)]
+        # torch's round robin; a resumed IterableDataset pass starts where the last one was.
+        self._next_worker = progress.next_worker % num_workers
+        self._sampler_done = False
+        self._num_yielded = len(progress.yielded)
+        # Skipped samples of answered tasks, recorded when the task is delivered.
+        self._skips: dict[int, list[SkippedSample]] = {}
+        self._fatal: BaseException | None = None
+        self._finished = False
+        self._closed = False
+        self._busy = False
+
+    # -- the one entry point -----------------------------------------------------------------
+
+    def _over(self) -> bool:
+        """Whether the pass is over; raises if it cannot go on (a fatal error, or a second
+        consumer while one is waiting)."""
+        if self._busy:
+            raise RuntimeError("aioload: this iterator is already waiting for a batch")
+        if self._fatal is not None:
+            raise self._fatal
+        return self._finished or self._closed
+
+    def step(self, intake: bool = True) -> Any:
+        """Everything that can be done without waiting: send tasks, take in answers, and
+        return the next batch if it is already here, END if the pass is over, or PENDING.
+
+        ``next`` is this plus waiting. The sync front end calls it first, and enters its event
+        loop only when it really has to wait: with workers prefetching, most batches are
+        already here.
+
+        ``intake=False`` takes in nothing new from the backend (no ``poll``): the first step
+        of a ``next`` looks only at what is already here, since a wait that follows it would
+        see an answer waiting in a socket at once anyway. That saves the data-bound consumer
+        one ``select`` per batch: it waits for nearly every batch, and a ``select(0)`` before
+        each wait found nothing. (With a pin stage, whose own thread hands batches back, every
+        step takes in.)
+        """
+        if self._over():
+            return END
+        if self._backend is _NOT_STARTED:
+            return PENDING
+        self._dispatch()
+        stage = self._stage
+        if intake or stage is not None:
+            for event in self._backend.poll():
+                if isinstance(event, Answer):
+                    self._accept(event)
+                else:
+                    self._lost(event)
+        if stage is None:
+            ready = self._pop_ready()
+            if ready is not None:
+                return self._deliver(*ready)
+        else:
+            stage.drain_wake()
+            while True:
+                while stage.has_room():
+                    # An IterableDataset's "end" goes through the stage too, so that it is
+                    # recorded only once every batch before it has been yielded.
+                    ready = self._pop_ready(through_stage=True)
+                    if ready is None:
+                        break
+                    task_id, outcome, samples = ready
+                    self._staged.append((task_id, samples))
+                    stage.submit(outcome)
+                staged = stage.take()
+                if isinstance(staged, StreamEnded):
+                    self._end_reached(self._staged.popleft()[0])
+                    continue
+                if isinstance(staged, AllSkipped):
+                    self._record_yield(self._staged.popleft()[0])
+                    continue
+                break
+            if staged is not None:
+                task_id, samples = self._staged.popleft()
+                return self._deliver(task_id, staged, samples)
+            if stage.pending:
+                return PENDING
+        if not self._inflight and (self._sampler_done or not any(self._active)):
+            self._check_skip_cap(final=True)
+            self._finished = True
+            self.progress.finished = True
+            return END
+        return PENDING
+
+    async def next(self) -> Any:
+        """The next batch, or END when the pass is over.
+
+        A checkpoint, as in trio and anyio: it yields to the loop, and so honours a pending
+        cancellation, even when the batch is already here. A training step is mostly
+        synchronous; without this, a consumer that always finds a batch waiting would never
+        let the loop's other tasks (heartbeats, RPCs, deadlines) run. The checkpoint comes
+        before the batch is taken, so a cancellation delivered here loses no batch.
+        """
+        await _checkpoint()
+        if self._over():
+            return END
+        if self._backend is _NOT_STARTED:
+            self._busy = True
+            try:
+                await self._start()
+            finally:
+                self._busy = False
+            if self._closed:
+                return END
+        deadline = self._deadline()
+        intake = False  # see step(): the first look takes in nothing new
+        while True:
+            result, deadline = self._step_before(deadline, intake)
+            if result is not PENDING:
+                return result
+            intake = True
+            self._busy = True
+            try:
+                await self._backend.wait(deadline, self._wake_fd(), self._awaited())
+            finally:
+                self._busy = False
+
+    def next_blocking(self) -> Any:
+        """``next`` for the sync front end: the waits block the calling thread, with no event
+        loop. Returns PENDING, having waited for nothing, where a wait needs a loop (the
+        backend starts in a thread, or an async dataset runs in this process); the front end
+        then runs ``next`` on its private loop.
+
+        A loop costs the sync path a lot per wait (uvloop sets up and tears down its signal
+        wake-up socketpair on every ``run_until_complete``) and buys it nothing: it has no
+        other tasks to run. Ctrl-C interrupts the blocking ``select`` as it would any sync
+        call; the orchestrator's state is consistent at every wait, so the pass can be closed
+        or resumed as after any other exception.
+        """
+        if self._over():
+            return END
+        if self._backend is _NOT_STARTED:
+            if self._setup.offload_start:
+                return PENDING
+            self._adopt(self._make_owned_backend())
+            if self._closed:
+                return END
+        deadline = self._deadline()
+        intake = False  # see step(): the first look takes in nothing new
+        while True:
+            result, deadline = self._step_before(deadline, intake)
+            if result is not PENDING:
+                return result
+            intake = True
+            self._busy = True
+            try:
+                if not self._backend.wait_blocking(deadline, self._wake_fd(), self._awaited()):
+                    return PENDING
+            finally:
+                self._busy = False
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self._timeout if self._timeout > 0 else math.inf
+
+    def _awaited(self) -> int | None:
+        """The worker holding the batch the consumer needs next, if it is known to be one
+        (``wait``'s and ``wait_blocking``'s ``awaited``): in order, with no pin stage, the next
+        task's worker. Its sibling finishes its own batch about as often first as not, and a
+        wait that any answer ends woke the parent for it, to find the batch it needs still
+        missing and sleep again: 0.47 wake-ups per tiny batch out of 0.97, each a context
+        switch that also evicts the workers' caches on a machine with fewer cores than
+        processes."""
+        if not self._in_order or self._stage is not None:
+            return None
+        sent = self._inflight.get(self._rcvd_idx)
+        return sent.worker_id if sent is not None else None
+
+    def _wake_fd(self) -> int | None:
+        return self._stage.wake_r if self._stage is not None else None
+
+    def _step_before(self, deadline: float, intake: bool = True) -> tuple[Any, float]:
+        """``step(intake)``, handling a passed ``deadline`` (``timeout``): with healing on, the
+        worker holding the oldest task is stopped and the step runs again with a fresh
+        deadline; otherwise the timeout error is raised. Returns the step's result and the
+        deadline the next wait is bounded by."""
+        while True:
+            result = self.step(intake)
+            if result is not PENDING or time.monotonic() < deadline:
+                return result, deadline
+            if not intake:
+                # Nothing was taken in: an answer may be waiting. Look before blaming a worker.
+                intake = True
+                continue
+            stuck = self._stuck_worker()
+            if stuck is None or self._restarts_left <= 0:
+                # Stuck in a sample: this pass may go on, but no other runs on these workers.
+                self._backend.retire()
+                raise self._timeout_error()
+            # A hung worker, and healing is on: stop it; its loss is handled as any other
+            # (replaced, its tasks sent again) and the wait starts over.
+            self._backend.abandon(stuck)
+            deadline = time.monotonic() + self._timeout
+
+    def _make_owned_backend(self) -> WorkerBackend:
+        # The pass takes ownership in the thread that makes the pool, not after the await: a
+        # native asyncio Task.cancel() is not held off (see run_off_loop), so the await can end
+        # while the thread goes on, and the pool it makes must still close with the pass.
+        backend = self._make_backend()
+        if self._owns_backend:
+            self.owned.backend = backend
+            if self._closed:
+                self.owned.close()
+        return backend
+
+    async def _start(self) -> None:
+        if self._setup.offload_start:
+            backend = await run_off_loop(self._make_owned_backend)
+        else:
+            backend = self._make_owned_backend()
+        self._adopt(backend)
+
+    def _adopt(self, backend: WorkerBackend) -> None:
+        """Take a just-made backend as this pass's and begin the pass on it."""
+        self._backend = backend
+        if self._setup.transfer is not None:
+            self._stage = PinStage(self._setup.transfer, depth=self._setup.prefetch)
+            self._stage.stats = self.stats
+            self.owned.stage = self._stage
+        if self._closed:
+            # Closed while it was starting (a cancelled, then abandoned iterator).
+            self._close_owned()
+            return
+        backend.start_pass(self._setup.plans)
+        if self._setup.multiprocess:
+            # The first tasks go out before the workers are named: a pool that starts staggered
+            # (the sync front end) forks each worker but the first as its first task goes out,
+            # so the first starts working while the others are forked. (The next step would
+            # dispatch them anyway; nothing draws from an RNG in between.)
+            self._dispatch()
+            for worker_id in range(self._num_workers):
+                self.stats.where[worker_id] = backend.describe(worker_id)
+
+    # -- dispatch ----------------------------------------------------------------------------
+
+    def _pick_worker(self) -> int | None:
+        # torch's rule: the next active worker in the cycle; with in_order=False also one that
+        # holds fewer than its share of the prefetch budget.
+        active = sum(self._active)
+        for _ in range(self._num_workers):
+            worker_id = self._next_worker
+            self._next_worker = (worker_id + 1) % self._num_workers
+            if self._active[worker_id] and (
+                self._in_order or self._per_worker[worker_id] < self._capacity // active
+            ):
+                return worker_id
+        return None
+
+    def _dispatch(self) -> None:
+        while not self._sampler_done and self._unyielded < self._capacity:
+            worker_id = self._pick_worker()
+            if worker_id is None:
+                return
+            try:
+                position, indices = next(self._batches)
+            except StopIteration:
+                self._sampler_done = True
+                return
+            task_id = self._send_idx
+            self._send_idx += 1
+            self._backend.submit(worker_id, task_id, indices)
+            self._inflight[task_id] = _Sent(worker_id, indices)
+            self._assigned[task_id] = _Assigned(worker_id, position)
+            self._per_worker[worker_id] += 1
+            self._unyielded += 1
+
+    # -- results -----------------------------------------------------------------------------
+
+    def _lost(self, lost: WorkerLost) -> None:
+        """A worker is gone. With restarts left, a successor takes its slot and its unanswered
+        tasks, with the same task ids: the reorder buffer neither loses nor duplicates a
+        batch. (Answers its predecessor sent before dying were taken in first.) Otherwise the
+        pass ends with the backend's error, naming the indices the worker held."""
+        held = sorted(t for t, sent in self._inflight.items() if sent.worker_id == lost.worker_id)
+        if self._restarts_left <= 0:
+            self._fail(lost.error)
+        self._restarts_left -= 1
+        limit = self._setup.max_worker_restarts
+        warnings.warn(
+            f"{lost.error} aioload replaced it with a new worker {lost.worker_id} "
+            f"(restart {limit - self._restarts_left} of max_worker_restarts={limit}) and is "
+            "sending its unfinished tasks again.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        self.stats.restarted(lost.worker_id)
+        self._backend.restart(lost.worker_id)
+        self.stats.where[lost.worker_id] = self._backend.describe(lost.worker_id)
+        for task_id in held:
+            self._backend.submit(lost.worker_id, task_id, self._inflight[task_id].indices)
+
+    def _accept(self, answer: Answer) -> None:
+        task_id, worker_id, outcome = answer.task_id, answer.worker_id, answer.outcome
+        sent = self._inflight.pop(task_id, None)
+        if sent is None:
+            return
+        if answer.busy_s is not None:
+            self.stats.fetched(worker_id, answer.busy_s)
+        samples = self.stats.count(sent.indices)
+        skipped, outcome = take_skips(outcome)
+        if skipped:
+            # The skip records travel inside the batch's answer; they count when the task is
+            # delivered (one with nothing left is delivered as AllSkipped: not yielded).
+            self._skips[task_id] = skipped
+            samples -= len(skipped)
+        if isinstance(outcome, StreamEnded):
+            # This worker's IterableDataset copy has run dry for this epoch.
+            self._active[worker_id] = False
+        elif self.progress.iterable and answer.stream is not None:
+            stream = answer.stream
+            # The stream's own count says what the batch holds (a short last batch, or a
+            # collate whose result has no batch dimension).
+            samples = stream.samples_seen - self._samples_seen[worker_id] - len(skipped)
+            self._samples_seen[worker_id] = stream.samples_seen
+            point = StreamPoint(
+                stream.samples_seen, stream.state is not None, stream.state, stream.ended
+            )
+            self._assigned[task_id] = self._assigned[task_id]._replace(point=point)
+        done = _Done(worker_id, outcome, samples)
+        if self._in_order:
+            self._reorder_buffer[task_id] = done
+        else:
+            self._completed.append((task_id, done))
+
+    def _pop_ready(self, through_stage: bool = False) -> tuple[int, Outcome, int] | None:
+        while True:
+            if self._in_order:
+                done = self._reorder_buffer.pop(self._rcvd_idx, None)
+                if done is None:
+                    return None
+                task_id = self._rcvd_idx
+                self._rcvd_idx += 1
+            else:
+                if not self._completed:
+                    return None
+                task_id, done = self._completed.popleft()
+            self._unyielded -= 1
+            if isinstance(done.outcome, StreamEnded):
+                if through_stage:
+                    return task_id, done.outcome, 0
+                self._end_reached(task_id)
+                continue
+            self._per_worker[done.worker_id] -= 1
+            if isinstance(done.outcome, AllSkipped) and not through_stage:
+                # Nothing to yield, but delivered here, in its turn (through the stage, which
+                # keeps the order, it is recorded when the stage hands it back).
+                self._record_yield(task_id)
+                continue
+            return task_id, done.outcome, done.samples
+
+    def _end_reached(self, task_id: int) -> None:
+        assigned = self._assigned.pop(task_id, None)
+        if assigned is not None:
+            self.progress.streams[assigned.worker_id].ended = True
+        self._note_next_worker(task_id)
+
+    def _note_next_worker(self, task_id: int) -> None:
+        # In order, the batch after this one is task_id + 1: the worker it went to, or (not
+        # sent yet) the one the round robin will pick.
+        following = self._assigned.get(task_id + 1)
+        self.progress.next_worker = following.worker_id if following else self._next_worker
+
+    def _record_yield(self, task_id: int) -> None:
+        assigned = self._assigned.pop(task_id, None)
+        if assigned is None:
+            return
+        progress = self.progress
+        progress.yielded.add(assigned.position)
+        if progress.iterable:
+            if assigned.point is not None:
+                progress.streams[assigned.worker_id] = assigned.point
+            self._note_next_worker(task_id)
+        skipped = self._skips.pop(task_id, None)
+        if skipped:
+            # Recorded with the batch's position, so a checkpoint has both or neither.
+            progress.skipped.extend(skipped)
+        cap = self._setup.skip_cap
+        if cap is not None and (skipped or cap.limit is None):
+            # (A fraction of an unknown total moves with every batch.)
+            self._check_skip_cap(final=False)
+
+    def _check_skip_cap(self, final: bool) -> None:
+        """Past max_skipped, the pass ends with TooManySampleErrors (a kept backend stays:
+        nothing is wrong with its workers)."""
+        cap = self._setup.skip_cap
+        if cap is None:
+            return
+        progress = self.progress
+        if progress.iterable:
+            drawn = sum(point.samples_seen for point in progress.streams)
+        else:
+            drawn = self.stats.samples + len(progress.skipped)
+        error = cap.error(progress.skipped, drawn, final)
+        if error is not None:
+            self._fatal = error
+            self.close()
+            raise error
+
+    def _deliver(self, task_id: int, outcome: Outcome, samples: int) -> Any:
+        # Recorded before an error is raised too: a batch whose error reached the consumer
+        # has been delivered, and a resumed pass does not fetch it again.
+        self._record_yield(task_id)
+        if isinstance(outcome, Failed):
+            # The epoch goes on after this if the caller catches it, as in torch.
+            outcome.error.reraise()
+        if isinstance(outcome, Raised):
+            raise outcome.error
+        assert isinstance(outcome, Batch)
+        value = outcome.value
+        self._num_yielded += 1
+        self.stats.yielded(
+            value,
+            samples,
+            in_flight=len(self._inflight),
+            waiting=len(self._reorder_buffer) + len(self._completed) + len(self._staged),
+        )
+        # torch refills the prefetch window as it hands a batch over (``_process_data`` calls
+        # ``_try_put_index``), not at the next request. Doing the same keeps the number of
+        # tasks sent after k batches at prefetch + k, and with it which sampler draws happen
+        # before a ``break``: a later shuffled epoch then matches torch's order. (In the calling
+        # process torch draws a batch's indices only when it is asked for, so nothing is sent
+        # ahead there.)
+        # The queue depths above are read before the refill: they describe what was waiting
+        # when this batch was handed over.
+        if self._setup.multiprocess:
+            self._dispatch()
+        iterable_len = self._setup.iterable_len
+        if iterable_len is not None and self._num_yielded > iterable_len:
+            warn_msg = (
+                f"Length of IterableDataset {self._setup.dataset} was reported to be "
+                f"{iterable_len}(when accessing len(dataloader)), but "
+                f"{self._num_yielded} samples have been fetched. "
+            )
+            if self._setup.multiprocess:
+                warn_msg += (
+                    "For multiprocessing data-loading, this could be caused by not properly "
+                    "configuring the IterableDataset replica at each worker. Please see "
+                    "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
+                    "for examples."
+                )
+            warnings.warn(warn_msg, stacklevel=4)
+        return value
+
+    # -- failures ----------------------------------------------------------------------------
+
+    def _stuck_worker(self) -> int | None:
+        if not self._inflight:
+            return None
+        return self._inflight[min(self._inflight)].worker_id
+
+    def _timeout_error(self) -> DataLoaderTimeoutError:
+        message = f"DataLoader timed out after {self._timeout} seconds"
+        waiting = min(self._inflight) if self._inflight else None
+        if waiting is not None:
+            worker_id, indices = self._inflight[waiting]
+            message += (
+                f" (waiting for batch {waiting} from DataLoader worker {worker_id}, "
+                f"{self._backend.describe(worker_id)}, holding indices {_short(indices)})"
+            )
+        return DataLoaderTimeoutError(message, timeout=self._timeout)
+
+    def _fail(self, error: BaseException) -> NoReturn:
+        # A lost worker ends the pass: its tasks cannot be answered. Shut the backend down
+        # now (a persistent one too, so the loader starts a fresh one next epoch).
+        self._fatal = error
+        self._closed = True
+        self.stats.end()
+        self._close_owned()  # the pin stage, and the backend if this pass owns it
+        self._backend.close()  # a kept backend too: it is broken
+        raise error
+
+    # -- shutdown ----------------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Release what this pass owns. Safe to call more than once, and from ``__del__``."""
+        self.stats.end()
+        if self._closed:
+            return
+        self._closed = True
+        self._close_owned()
+
+    def _close_owned(self) -> None:
+        self.owned.close()
+        self._stage = None
+
+    async def aclose(self) -> None:
+        """``close`` without blocking the event loop: stopping workers may wait (boundedly) for
+        them to exit, so that wait runs in a thread. Shielded, so a cancelled caller still
+        leaves nothing behind. A checkpoint even when already closed, as trio's are."""
+        if self._closed:
+            await _checkpoint()
+            return
+        await run_off_loop(self.close)
+
+
+async def _checkpoint() -> None:
+    """Yield to the running loop once, raising if the task has been cancelled. Under asyncio
+    (and uvloop) that is what ``sleep(0)`` does (and anyio's own checkpoint there), without
+    anyio's backend lookup (about 4 us a call); under trio, anyio's checkpoint, which is
+    trio's.
+
+    Which loop runs is asked only where trio has been imported: in Python 3.11 every
+    ``asyncio.get_running_loop()`` makes a ``getpid`` system call (its check for a forked
+    child), and this runs for every batch of ``async for``."""
+    if "trio" in sys.modules and running_asyncio_loop() is None:
+        import anyio.lowlevel
+
+        await anyio.lowlevel.checkpoint()  # trio
+    else:
+        await _yield_to_loop()
+
+
+@types.coroutine
+def _yield_to_loop() -> Generator[None, None, None]:
+    # asyncio's sleep(0) without the coroutine around it: a bare yield makes the task go
+    # round the loop once, and a cancellation is thrown in here when it resumes.
+    yield
+
+
+def _short(indices: Any, limit: int = 16) -> str:
+    try:
+        items = list(indices)
+    except TypeError:
+        return repr(indices)
+    if len(items) <= limit:
+        return repr(items)
+    return repr(items[:limit])[:-1] + f", ... ({len(items)} in all)]"

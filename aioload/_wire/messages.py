@@ -1,0 +1,256 @@
+"""Every message between the engine and its workers, in one place: this module is the protocol.
+
+Three groups, read top to bottom as one task travels:
+
+1. Parent -> worker (over a process worker's socket; a Ray actor gets the same values as
+   method arguments): :class:`Reset` starts a pass on a worker, :class:`Task` asks for one batch,
+   :class:`FreeSlabs` hands back shared-memory slabs the consumer let go of.
+2. Worker -> parent: exactly one :class:`Reply` per task. Its ``result`` says what came of it
+   (a batch in a slab, a pickled batch, a batch by value, an error, or the end of an
+   IterableDataset stream); an IterableDataset worker also says where its stream stands after
+   the batch (``stream``), so a checkpoint taken after the batch is yielded resumes exactly there.
+3. Backend -> engine: a backend turns replies into :class:`Answer` events (the batch decoded,
+   stale passes' replies dropped) and reports a worker that died as :class:`WorkerLost`. The
+   engine never sees transport details (slabs, sockets, object refs).
+
+Worker-side results of the fetch step (:class:`Produced`, :class:`Failure`, :class:`StreamEnded`)
+are shared by every backend's worker, so a local process and a Ray actor answer alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+__all__ = [
+    "AllSkipped",
+    "Answer",
+    "Batch",
+    "Event",
+    "Failed",
+    "Failure",
+    "FreeSlabs",
+    "Outcome",
+    "PickledBatch",
+    "Produced",
+    "Raised",
+    "Reply",
+    "Reset",
+    "SlabBatch",
+    "StreamEnded",
+    "StreamState",
+    "Task",
+    "ToWorker",
+    "ValueBatch",
+    "WorkerLost",
+]
+
+# -- parent -> worker -------------------------------------------------------------------------
+
+
+class Reset(NamedTuple):
+    """A new pass (``generation``) starts: make the fetcher from ``plan``. Tasks of older
+    generations still queued are skipped."""
+
+    generation: int
+    plan: PassPlan
+
+
+class Task(NamedTuple):
+    """Fetch and collate the samples at ``indices``; answer with one :class:`Reply`."""
+
+    task_id: int
+    generation: int
+    indices: Any
+    # Slabs the consumer has let go of since this worker's last task, riding along (what
+    # FreeSlabs says, without a frame of its own): the worker may reuse them.
+    freed_slabs: tuple[int, ...] = ()
+
+
+class FreeSlabs(NamedTuple):
+    """The consumer has let go of these slabs' batches: the worker may reuse them."""
+
+    slab_ids: list[int]
+
+
+ToWorker = Reset | Task | FreeSlabs
+
+# -- worker -> parent -------------------------------------------------------------------------
+
+
+class StreamState(NamedTuple):
+    """Where an IterableDataset worker's stream stood after a batch."""
+
+    samples_seen: int
+    # The dataset's state_dict(), or None for a dataset without one (resumed by fast-forward).
+    state: Any
+    ended: bool
+
+
+class SlabBatch(NamedTuple):
+    """A batch whose buffers are in a shared-memory slab (``_wire.slabs``). ``capacity`` is
+    non-zero when the slab is new: its memfd rides on this frame."""
+
+    slab_id: int
+    capacity: int
+    used: int
+    payload: bytes
+    leaves: Any
+
+
+class PickledBatch(NamedTuple):
+    """A batch sent by value over the socket (no shared memory to be had)."""
+
+    payload: bytes
+
+
+class ValueBatch(NamedTuple):
+    """A batch carried by the transport itself (a Ray object)."""
+
+    value: Any
+
+
+class Failure(NamedTuple):
+    """The task raised (or the worker's setup did); ``error`` carries type and traceback."""
+
+    error: Any  # _worker.main.RemoteError
+
+
+class StreamEnded(NamedTuple):
+    """This worker's IterableDataset stream has run dry for this pass."""
+
+
+class Reply(NamedTuple):
+    """A worker's one answer to one task."""
+
+    task_id: int
+    generation: int
+    result: SlabBatch | PickledBatch | ValueBatch | Failure | StreamEnded
+    stream: StreamState | None
+    # Seconds the worker spent on the task (fetch, collate, copy into shared memory).
+    busy_s: float
+    # Slabs the worker retired since its last reply: the parent unmaps them too.
+    dropped_slabs: list[int]
+
+
+class Produced(NamedTuple):
+    """The fetch step's success, before the transport encodes it."""
+
+    data: Any
+    stream: StreamState | None
+    # The shared-memory slab the batch was collated into, if any (process workers).
+    arena: Any = None
+
+
+# -- backend -> engine ------------------------------------------------------------------------
+
+
+class Batch(NamedTuple):
+    value: Any
+
+
+class Failed(NamedTuple):
+    """A worker's error: re-raised in the consumer with the worker's traceback."""
+
+    error: Any  # _worker.main.RemoteError
+
+
+class Raised(NamedTuple):
+    """An exception raised as it is (in the calling process, or by the pin stage)."""
+
+    error: BaseException
+
+
+class AllSkipped(NamedTuple):
+    """Every sample of the task was skipped (on_sample_error): nothing to yield, but the task
+    is delivered in its turn, so its skip records and its position are recorded."""
+
+
+Outcome = Batch | Failed | Raised | StreamEnded | AllSkipped
+
+
+class Answer(NamedTuple):
+    worker_id: int
+    task_id: int
+    outcome: Outcome
+    stream: StreamState | None = None
+    # The worker's seconds on the task, for stats (None: not measured).
+    busy_s: float | None = None
+
+
+class WorkerLost(NamedTuple):
+    """A worker died (or was found gone). ``error`` is what the consumer sees if it is not
+    replaced; the engine knows which tasks it held and decides whether to restart it."""
+
+    worker_id: int
+    error: BaseException
+
+
+Event = Answer | WorkerLost
+
+
+# -- a sequential sampler's batches -----------------------------------------------------------
+
+
+class IndexRange:
+    """The indices ``start, start + 1, ..., stop - 1``: a batch of torch's ``BatchSampler``
+    over a ``SequentialSampler`` (``shuffle=False``, the loader's default), as its two bounds.
+
+    torch's batch sampler makes a list of ``batch_size`` int objects for every batch, and a
+    worker's task carries them pickled: on the tiny workload (256 indices) about 4 us to make
+    the list and 3 to pickle it, of the parent's ~100 us per batch, where the bounds cost well
+    under one (``_engine.resume.batches_of`` makes these; ``_wire.packed`` sends them as two integers).
+    A fetcher turns one back into the list torch's would have had (``as_list``) before the
+    dataset or anything a user wrote sees it, so no dataset, collate or error message can tell
+    the difference; a batch sampler of the user's that yields its own ``range`` objects is
+    left as it is, as torch leaves it.
+    """
+
+    __slots__ = ("start", "stop")
+
+    def __init__(self, start: int, stop: int) -> None:
+        self.start = start
+        self.stop = stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __iter__(self) -> Any:
+        return iter(range(self.start, self.stop))
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is IndexRange and self.start == other.start and self.stop == other.stop
+
+    def __hash__(self) -> int:
+        return hash((self.start, self.stop))
+
+    def __repr__(self) -> str:
+        # As the list it stands for: messages that name a batch's indices read as they did.
+        return repr(self.as_list())
+
+    def __reduce__(self) -> tuple[type[IndexRange], tuple[int, int]]:
+        return IndexRange, (self.start, self.stop)
+
+    def as_list(self) -> list[int]:
+        return list(range(self.start, self.stop))
+
+
+class PassPlan(NamedTuple):
+    """One worker's instructions for one pass (epoch)."""
+
+    epoch: int = 0
+    # seed_per_sample's base seed; None when seed_per_sample is off.
+    sample_seed: int | None = None
+    # IterableDataset resume: samples this stream had yielded at the checkpoint. With
+    # has_state, dataset_state is loaded before iter(dataset) and the stream goes on from
+    # there; without, the stream is fast-forwarded by drawing and dropping that many samples.
+    samples_seen: int = 0
+    has_state: bool = False
+    dataset_state: Any = None
+    # The stream had already run dry when the checkpoint was taken.
+    ended: bool = False
+    # Which stream this is for seed_per_sample on an IterableDataset: the global worker id
+    # (rank * num_workers + worker id).
+    stream_id: int = 0
+    # An IterDataPipe's random pipes are seeded from this, the same in every worker (see
+    # _worker.datapipes); None for any other dataset.
+    shared_seed: int | None = None

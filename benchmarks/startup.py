@@ -1,0 +1,108 @@
+"""Start-up figures, each from fresh processes: ``import aioload`` over ``import torch``, and the
+first batch counted from before ``import aioload`` (:mod:`benchmarks._first_batch`).
+
+Every child runs with bytecode caching on (``PYTHONDONTWRITEBYTECODE`` removed) after
+:func:`compile_package` has written aioload's ``.pyc`` files: torch's own modules are always
+imported from their caches, so without this aioload alone would pay for compiling its sources
+(about 30 ms, seen where that variable is set) and the comparison would measure the compiler.
+"""
+
+from __future__ import annotations
+
+import compileall
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+_REPO_DIR = Path(__file__).resolve().parents[1]
+_PKG_DIR = _REPO_DIR / "aioload"
+_REPO = str(_REPO_DIR)
+_FIRST_BATCH = str(Path(__file__).with_name("_first_batch.py"))
+
+_IMPORT_PROBE = """
+import sys, time
+sys.path.insert(0, {repo!r})
+import torch
+wall, cpu = time.perf_counter(), time.process_time()
+import aioload
+wall1, cpu1 = time.perf_counter(), time.process_time()
+aioload.DataLoader
+wall2, cpu2 = time.perf_counter(), time.process_time()
+import json
+print(json.dumps({{"import_s": wall1 - wall, "import_cpu_s": cpu1 - cpu,
+                  "loader_s": wall2 - wall, "loader_cpu_s": cpu2 - cpu}}))
+"""
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def compile_package() -> None:
+    """Write aioload's bytecode caches, as an installed package has them."""
+    compileall.compile_dir(str(_PKG_DIR), quiet=1)
+
+
+def _json_child(cmd: list[str], timeout_s: float) -> dict[str, Any]:
+    res = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout_s, env=child_env(), check=False
+    )
+    lines = res.stdout.strip().splitlines()
+    if res.returncode != 0 or not lines:
+        tail = " | ".join(res.stderr.strip().splitlines()[-4:])
+        raise RuntimeError(f"{cmd[1:3]} exit code {res.returncode}: {tail}")
+    parsed: dict[str, Any] = json.loads(lines[-1])
+    return parsed
+
+
+def import_overhead(repeats: int) -> dict[str, float]:
+    """Medians over ``repeats`` fresh processes: ``import aioload`` after ``import torch``
+    (wall and CPU), and the same up to ``aioload.DataLoader`` in hand."""
+    runs = [
+        _json_child([sys.executable, "-c", _IMPORT_PROBE.format(repo=_REPO)], 120)
+        for _ in range(repeats)
+    ]
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]} | {
+        "repeats": float(repeats)
+    }
+
+
+def first_batch(
+    loader: str,
+    workload: str,
+    batch_size: int,
+    num_workers: int,
+    cpu_iters: int,
+    url: str,
+    timeout_s: float = 300.0,
+    max_size: int = 0,
+) -> dict[str, Any]:
+    """One fresh process: first batch from before the import, and a later epoch's first."""
+    cmd = [
+        sys.executable,
+        _FIRST_BATCH,
+        "--loader",
+        loader,
+        "--workload",
+        workload,
+        "--batch-size",
+        str(batch_size),
+        "--num-workers",
+        str(num_workers),
+        "--cpu-iters",
+        str(cpu_iters),
+        "--repo",
+        _REPO,
+        "--url",
+        url,
+        "--max-size",
+        str(max_size),
+    ]
+    return _json_child(cmd, timeout_s)
