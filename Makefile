@@ -16,8 +16,17 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 # The main demo: JPEGs decoded and augmented by workers, a small CNN trained with `async for`,
-# then loader.stats() and images/s next to torch's DataLoader.
-run: install
+# then loader.stats() and images/s next to torch's DataLoader. It installs aioload with only the
+# `examples` extra (Pillow, trio), not the test, docs, bench and framework tools `install` adds.
+RUN_STAMP := $(VENV)/.run-stamp
+
+$(RUN_STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip -c constraints.txt
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[examples]'
+	touch $(RUN_STAMP)
+
+run: $(RUN_STAMP)
 	$(PY) examples/train_images.py
 
 lint: install
