@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 # Lines each known example must print (regular substrings); others must print something.
 EXPECTED: dict[str, list[str]] = {

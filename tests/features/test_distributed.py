@@ -2,7 +2,7 @@
 started with ``torch.multiprocessing.spawn``, each running its own aioload loader with workers.
 
 Each rank writes what it saw to a JSON file; the assertions run here, in the test process.
-The ranks are started from a child process (``python -m tests.test_distributed``), not from
+The ranks are started from a child process (``python -m tests.features.test_distributed``), not from
 pytest itself: ``spawn`` leaves a multiprocessing resource tracker running in the process that
 used it, which is not ours to stop.
 """
@@ -94,7 +94,7 @@ def _rank_main(rank: int, world_size: int, store: str, out_dir: str) -> None:
 @pytest.mark.parametrize("world_size", [2])
 def test_ranks_draw_disjoint_shards_and_resume(tmp_path: Path, world_size: int) -> None:
     subprocess.run(
-        [sys.executable, "-m", "tests.test_distributed", str(world_size), str(tmp_path)],
+        [sys.executable, "-m", "tests.features.test_distributed", str(world_size), str(tmp_path)],
         check=True,
         timeout=150,
     )

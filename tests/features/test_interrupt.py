@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(60)
 
-SCRIPT = Path(__file__).parent / "scripts" / "interrupted.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "interrupted.py"
 
 
 # Three attempts each: a Ctrl-C that landed at an unlucky point inside the event loop once hung

@@ -18,7 +18,7 @@ import pytest
 
 from tests.leaks import ProcessTree, descendants, maker_pid, shm_entries, shm_leaks
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm here")
 

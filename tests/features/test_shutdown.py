@@ -32,8 +32,8 @@ from tests.scripts.datasets import LazyFile, Noisy, Pids, Slow, SlowAt, Squares
 pytestmark = pytest.mark.timeout(60)
 
 APIS = ["sync", "async"]
-SCRIPTS = Path(__file__).parent / "scripts"
-REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).parents[1] / "scripts"
+REPO = Path(__file__).resolve().parents[2]
 
 
 # -- helpers ---------------------------------------------------------------------------------

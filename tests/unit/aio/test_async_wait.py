@@ -16,8 +16,7 @@ import uvloop
 
 import aioload
 from aioload._aio import waiting
-
-from .helpers import run_on
+from tests.helpers import run_on
 
 pytestmark = pytest.mark.timeout(120)
 

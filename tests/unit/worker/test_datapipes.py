@@ -109,7 +109,9 @@ def test_ranks_and_workers_partition_one_shuffle(tmp_path: Path, no_leaks: None)
     """2 ranks (gloo on a file store) with 0 and 2 workers: rank 0's shuffle seed is broadcast,
     and each worker of each rank keeps its own share (workers * ranks instances in all)."""
     subprocess.run(
-        [sys.executable, "-m", "tests.test_datapipes", "2", str(tmp_path)], check=True, timeout=100
+        [sys.executable, "-m", "tests.unit.worker.test_datapipes", "2", str(tmp_path)],
+        check=True,
+        timeout=100,
     )
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     for num_workers in ("0", "2"):

@@ -25,7 +25,7 @@ from aioload._wire import slabs as _transport
 from aioload._worker import fetch as _fetch
 from aioload._worker import stacking as _stacking
 from tests.scripts.datasets import FnDataset
-from tests.test_transport import leaves
+from tests.unit.wire.test_transport import leaves
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -23,9 +23,8 @@ from aioload._wire import channel as _channel
 from aioload._wire import slabs as _transport
 from aioload._wire.messages import FreeSlabs, Task
 from aioload._worker import main as _worker_main
-
-from .helpers import run_fresh
-from .scripts.datasets import MallocBatches
+from tests.helpers import run_fresh
+from tests.scripts.datasets import MallocBatches
 
 # One "batch" made and freed with libc's own malloc: 64 blocks of 150 KiB, each written, then
 # all freed, as a worker does with a batch of decoded images. Prints the page faults per batch.
