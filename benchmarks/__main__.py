@@ -3,8 +3,12 @@
 Runs alternate the floor (no loader), torch, aioload (each mode) and the peer loaders, each in
 a fresh subprocess, ``--repeats`` times per workload; then fresh-process start-up probes
 (``import aioload``, first batch, a later epoch's first batch). Prints one line per run, a
-summary table and issue 17's targets as PASS/FAIL, then writes
-``<out-dir>/benchmarks.{md,json,png}`` unless ``--no-write``.
+summary table and the targets as PASS/FAIL, then writes ``<out-dir>/benchmarks.{md,json,png}``
+unless ``--no-write`` (and, where ``<out-dir>`` is a repository's ``docs/``, the short table
+of ratios in its README.md and docs/index.md).
+
+``--from-json docs/benchmarks.json`` measures nothing: it writes the page, the plot and the
+short tables again from that run's JSON (after a change to how they are written).
 """
 
 from __future__ import annotations
@@ -110,6 +114,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--out-dir", type=Path, default=Path("docs"))
     p.add_argument("--no-write", action="store_true", help="print only, write no files")
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="measure nothing: write the pages again from this run's benchmarks.json, in its "
+        "folder",
+    )
     a = p.parse_args(argv)
     if a.repeats < 1 or a.scale <= 0:
         p.error("--repeats must be >= 1 and --scale > 0")
@@ -252,6 +264,11 @@ def _startup_probes(
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.from_json is not None:
+        meta, rows, _runs = report.load_json(args.from_json)
+        for path in report.write_all(args.from_json.parent, meta, rows, _runs, from_json=True):
+            print(f"wrote {path}")
+        return 0
     problem = _check_aioload()
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -365,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(report.text_table(header, body))
     print(
-        "\ntargets (issue 17; 2 workers; medians of alternating runs):"
+        "\ntargets (2 workers; medians of alternating runs):"
         + ("   [FAKE: aioload column is torch]" if fake else "")
     )
     for target in found:

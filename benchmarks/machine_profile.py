@@ -12,7 +12,7 @@ batch's buffer (libc's ``memmove``), then the Python interpreter, the kernel, an
 idle time. The shares are of the machine's time (both CPUs), so a loader that leaves a CPU
 idle shows it there. The medians over ``--rounds`` are printed as a Markdown table, with each
 loader's items/s and the stack / clone ratio: the two copies move about the same bytes, and
-the stack costs more when the buffer it writes is cold (docs/architecture.md, "Why image stays
+the stack costs more when the buffer it writes is cold (docs/benchmark-notes.md, "Why image stays
 below its floor").
 
 ``perf`` must be installed and allowed to sample the whole system (root, or

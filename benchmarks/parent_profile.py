@@ -11,7 +11,7 @@ only. Each sample is put in one step by the innermost frame that names one (``_S
 own) are the parent asleep, not CPU, and are left out.
 Each step's share of the remaining samples is scaled to the run's measured parent CPU per batch
 (``time.process_time()`` from the first to the last batch), and the medians over ``--rounds``
-fresh runs are printed as a Markdown table (docs/architecture.md, "Where the parent's time
+fresh runs are printed as a Markdown table (docs/benchmark-notes.md, "Where the parent's time
 goes"). Shares are the reading to trust: sampling puts +-10% on each figure.
 """
 

@@ -1,4 +1,5 @@
-"""Summaries, machine description and the docs/benchmarks.{md,json,png} writers."""
+"""Summaries, machine description and the writers of docs/benchmarks.{md,json,png}, and of
+the short table of ratios in README.md and docs/index.md (one run fills all of them)."""
 
 from __future__ import annotations
 
@@ -25,9 +26,8 @@ FLOOR_TARGETS: dict[str, float] = {"image": 0.85}
 """aioload items/s as a fraction of the workload's floor (no loader), where a target is set."""
 IMPORT_TARGET_S = 0.010
 """``import aioload`` after ``import torch``, median wall time over fresh processes."""
-TINY_PARENT_CPU_BEFORE_S = 195e-6
-"""Parent CPU per tiny batch before issue 17 (its figure, measured on main in a quiet run)."""
-TINY_PARENT_CPU_TARGET_S = TINY_PARENT_CPU_BEFORE_S / 2
+TINY_PARENT_CPU_TARGET_S = 98e-6
+"""The training process's CPU time per tiny batch, at most."""
 
 
 @dataclass
@@ -245,7 +245,7 @@ def table_rows(rows: list[SummaryRow]) -> tuple[list[str], list[list[str]]]:
     return header, body
 
 
-# ---------------------------------------------------------------- issue 17's targets
+# ---------------------------------------------------------------- the targets
 
 
 @dataclass
@@ -278,7 +278,7 @@ def targets(
     startup: dict[str, dict[str, float]],
     import_stats: dict[str, float] | None,
 ) -> list[Target]:
-    """Issue 17's targets, each with its figure (medians of alternating runs)."""
+    """The benchmark's targets, each with its figure (medians of alternating runs)."""
     found: list[Target] = []
 
     def by_mode(workload: str) -> list[SummaryRow]:
@@ -309,8 +309,7 @@ def targets(
         cpu = r.aioload_parent_cpu_s
         found.append(
             Target(
-                f"tiny parent CPU per batch <= {fmt_us(TINY_PARENT_CPU_TARGET_S)} "
-                f"(half of {fmt_us(TINY_PARENT_CPU_BEFORE_S)}) ({r.mode})",
+                f"tiny parent CPU per batch <= {fmt_us(TINY_PARENT_CPU_TARGET_S)} ({r.mode})",
                 f"{fmt_us(cpu)} (torch: {fmt_us(r.torch_parent_cpu_s)})",
                 None if math.isnan(cpu) else cpu <= TINY_PARENT_CPU_TARGET_S,
             )
@@ -435,16 +434,43 @@ def write_json(
     path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
 
 
+MODE_NAMES = {
+    "sync": "`for`",
+    "async-uvloop": "`async for` (uvloop)",
+    "async-asyncio": "`async for` (asyncio)",
+}
+"""How the pages name each aioload mode."""
+
+SUMMARY_WHAT = {
+    "image": "uint8 images, 3x224x224, batch 64: bandwidth",
+    "image-collate": "the same, through a `collate_fn` of the user's own",
+    "tiny": "scalar tensors, batch 256: per-batch overhead",
+    "cpu": "~1 ms of pure Python per sample: compute scaling",
+    "latency": "20 ms of waiting per sample, async dataset",
+    "http": "small files over HTTP, 20 ms server latency, async dataset",
+}
+"""What each workload measures, in the short table of README.md and docs/index.md."""
+
+
+def _mode_name(mode: str) -> str:
+    return MODE_NAMES.get(mode, f"`{mode}`")
+
+
 def write_png(path: Path, rows: list[SummaryRow], fake: bool) -> None:
+    """The ratio of each workload and mode, on a log axis (ratios from 1x to 30x and more),
+    with each workload's target. Sized to be shown at its own width in the docs' text column
+    (about 870 px), so its text is as large as the page's."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
     workloads = list(dict.fromkeys(r.workload for r in rows))
     modes = list(dict.fromkeys(r.mode for r in rows))
     width = 0.8 / max(1, len(modes))
-    fig, ax = plt.subplots(figsize=(max(6.0, 2.2 * len(workloads)), 4.2), dpi=120)
+    fig, ax = plt.subplots(figsize=(8.6, 4.6), dpi=100)
+    highest = 1.0
     for mi, mode in enumerate(modes):
         xs: list[float] = []
         ys: list[float] = []
@@ -454,35 +480,222 @@ def write_png(path: Path, rows: list[SummaryRow], fake: bool) -> None:
                 continue
             xs.append(wi - 0.4 + width * (mi + 0.5))
             ys.append(row.ratio)
-        bars = ax.bar(xs, ys, width=width * 0.95, label=mode)
-        ax.bar_label(bars, labels=[f"{y:.2f}x" for y in ys], fontsize=8, padding=2)
+        highest = max([highest, *ys])
+        label = MODE_NAMES.get(mode, mode).replace("`", "")
+        bars = ax.bar(xs, ys, width=width * 0.92, label=f"aioload, {label}")
+        ax.bar_label(bars, labels=[f"{y:.1f}x" for y in ys], fontsize=10, padding=2)
     for wi, w in enumerate(workloads):
-        target = WORKLOADS[w].target_ratio
         ax.hlines(
-            target,
+            WORKLOADS[w].target_ratio,
             wi - 0.45,
             wi + 0.45,
             colors="tab:red",
             linestyles="dashed",
-            linewidth=1.2,
+            linewidth=1.5,
             label="target" if wi == 0 else "_nolegend_",
         )
+    ax.set_yscale("log")
+    ax.set_ylim(0.5, highest * 2.2)
+    ticks = [t for t in (0.5, 1, 2, 5, 10, 20, 50, 100) if t <= highest * 2.2]
+    ax.yaxis.set_major_locator(FixedLocator(ticks))
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
     ax.axhline(1.0, color="black", linewidth=1.0)
-    ax.set_xticks(range(len(workloads)), workloads)
-    ax.set_ylabel("aioload / torch items/s (median)")
+    ax.grid(axis="y", linewidth=0.5, alpha=0.4)
+    ax.set_xticks(range(len(workloads)), workloads, fontsize=11)
+    ax.tick_params(axis="y", labelsize=11)
+    ax.set_ylabel("aioload's items/s over torch's (log scale)", fontsize=11)
     title = "aioload vs torch.utils.data.DataLoader, steady-state throughput"
-    ax.set_title(("[FAKE aioload] " if fake else "") + title, fontsize=10)
-    ax.legend(fontsize=8)
-    ax.set_ylim(bottom=0)
+    ax.set_title(("[FAKE aioload] " if fake else "") + title, fontsize=12)
+    ax.legend(fontsize=10, loc="upper left")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
+def _ratio_cell(ratio: float, ok: bool) -> str:
+    return "n/a" if math.isnan(ratio) else f"{ratio:.2f}x" + ("" if ok else " (below target)")
+
+
+def render_summary(meta: dict[str, Any], rows: list[SummaryRow], benchmarks_link: str) -> str:
+    """The short table README.md and docs/index.md show: each workload's ratio under each
+    mode, from the same run as the benchmarks page, which ``benchmarks_link`` points to."""
+    modes = list(dict.fromkeys(r.mode for r in rows))
+    by = {(r.workload, r.mode): r for r in rows}
+    header = ["workload", "what it measures", *(_mode_name(m) for m in modes)]
+    body = []
+    for w in dict.fromkeys(r.workload for r in rows):
+        cells = []
+        for m in modes:
+            row = by.get((w, m))
+            cells.append("" if row is None else _ratio_cell(row.ratio, row.ratio_ok))
+        body.append([w, SUMMARY_WHAT.get(w, WORKLOADS[w].description), *cells])
+    cfg = meta["config"]
+    workers = cfg.get("num_workers", 2)
+    lines = [
+        SUMMARY_BEGIN,
+        f"aioload's items/s over torch's DataLoader's, in steady state, with {workers} workers: "
+        f"medians of {cfg['repeats']} alternating runs of `make bench` on a "
+        f"{meta['machine']['usable_cores']}-core machine. The method, the full results (time "
+        f"to the first batch, memory, the training process's CPU time, each workload's "
+        f"no-loader floor and other loaders) and the machine are on "
+        f"[the benchmarks page]({benchmarks_link}).",
+        "",
+        markdown_table(header, body),
+        SUMMARY_END,
+    ]
+    return "\n".join(lines)
+
+
+def _fmt_pair(aio: str, torch: str) -> str:
+    return f"{aio} / {torch}"
+
+
+def results_tables(meta: dict[str, Any], rows: list[SummaryRow]) -> str:
+    """The results, as four tables narrow enough for a page: throughput, other loaders, start-up
+    and cost. aioload's figure comes first wherever two are paired."""
+    out: list[str] = []
+    # 1. Throughput.
+    body = []
+    for r in rows:
+        body.append(
+            [
+                r.workload,
+                _mode_name(r.mode),
+                fmt_ips(r.aioload_ips) + fmt_pct(r.pct_floor(r.aioload_ips)),
+                fmt_ips(r.torch_ips) + fmt_pct(r.pct_floor(r.torch_ips)),
+                f"**{fmt_ratio(r.ratio)}**",
+                f">= {r.target_ratio:g}x {_mark(r.ratio_ok, r.ratio)}",
+                fmt_ips(r.floor_ips),
+            ]
+        )
+    out += [
+        "### Throughput",
+        "",
+        "Items/s in steady state, and in brackets as a share of the workload's floor (no loader, "
+        "see *Method*). torch's DataLoader always runs under `for`; each aioload mode is "
+        "compared with those same runs.",
+        "",
+        markdown_table(
+            [
+                "workload",
+                "aioload mode",
+                "aioload items/s",
+                "torch items/s",
+                "aioload / torch",
+                "target",
+                "floor items/s",
+            ],
+            body,
+        ),
+        "",
+    ]
+    # 2. Other loaders (they run under `for`, on the map-style workloads).
+    peers = list(dict.fromkeys(p for r in rows for p in [*r.peer_ips, *r.peers_absent]))
+    sync_rows = [r for r in rows if r.mode == "sync" and any(p in r.peer_ips for p in peers)]
+    if peers and sync_rows:
+        out += [
+            "### Other loaders",
+            "",
+            "The same workloads under `for`, items/s (share of the floor): "
+            "`torchdata.nodes` and SPDL, next to aioload and torch's DataLoader.",
+            "",
+            markdown_table(
+                ["workload", "aioload", "torch", *peers],
+                [
+                    [
+                        r.workload,
+                        fmt_ips(r.aioload_ips) + fmt_pct(r.pct_floor(r.aioload_ips)),
+                        fmt_ips(r.torch_ips) + fmt_pct(r.pct_floor(r.torch_ips)),
+                        *(_peer_cell(r, p) for p in peers),
+                    ]
+                    for r in sync_rows
+                ],
+            ),
+            "",
+        ]
+    # 3. Start-up: three ways of timing the first batch.
+    startup: dict[str, dict[str, float]] = meta.get("startup") or {}
+    first_rows = [r for r in rows if r.mode == "sync"]
+    body = []
+    for r in first_rows:
+        cell = startup.get(r.workload, {})
+        fresh = _fmt_pair(
+            fmt_ms(cell.get("aioload_first_s", math.nan)),
+            fmt_ms(cell.get("torch_first_s", math.nan)),
+        )
+        later = _fmt_pair(
+            fmt_ms(cell.get("aioload_later_s", math.nan)),
+            fmt_ms(cell.get("torch_later_s", math.nan)),
+        )
+        in_run = _fmt_pair(fmt_ms(r.aioload_ttfb_s), fmt_ms(r.torch_ttfb_s))
+        body.append([r.workload, fresh, later, in_run])
+    out += [
+        "### Time to the first batch",
+        "",
+        "aioload / torch, under `for`, medians. Three measurements:",
+        "",
+        "- **fresh process**: from just before `import aioload` (for torch, before `from "
+        "torch.utils.data import DataLoader`; `import torch` comes before the clock for both) "
+        "to the first batch, in a new Python process: what a script waits for.",
+        "- **later epoch**: the first batch of the next pass over the same loader, without "
+        "persistent workers (the workers start again).",
+        "- **in the run**: from just before `DataLoader(...)` to the first batch, inside each "
+        "throughput run above (imports done, workers started by the pass).",
+        "",
+        markdown_table(["workload", "fresh process", "later epoch", "in the run"], body),
+        "",
+    ]
+    imports = meta.get("import")
+    if imports:
+        out += [
+            f"`import aioload` after `import torch`: {imports['import_s'] * 1e3:.1f} ms; "
+            f"with `aioload.DataLoader` in hand: {imports['loader_s'] * 1e3:.1f} ms (medians "
+            "over fresh processes).",
+            "",
+        ]
+    # 4. Cost: the training process's CPU and the peak memory.
+    body = []
+    for r in rows:
+        rss = r.aioload_rss_bytes / r.torch_rss_bytes if r.torch_rss_bytes else math.nan
+        notes = []
+        if r.failures:
+            notes.append(f"{r.failures} failed run(s)")
+        if r.max_epochs > 1:
+            notes.append(f"up to {r.max_epochs} epochs/run")
+        body.append(
+            [
+                r.workload,
+                _mode_name(r.mode),
+                _fmt_pair(fmt_us(r.aioload_parent_cpu_s), fmt_us(r.torch_parent_cpu_s)),
+                _fmt_pair(fmt_mib(r.aioload_rss_bytes), fmt_mib(r.torch_rss_bytes))
+                + f" ({fmt_ratio(rss)})",
+                "; ".join(notes),
+            ]
+        )
+    out += [
+        "### Cost",
+        "",
+        "aioload / torch: the training process's CPU time per batch (its own threads, not the "
+        "workers'), and the peak resident memory of the whole process tree (workers included).",
+        "",
+        markdown_table(
+            ["workload", "aioload mode", "CPU per batch", "peak RSS (ratio)", "notes"], body
+        ),
+        "",
+    ]
+    return "\n".join(out)
+
+
+def _command(recorded: str) -> str:
+    """A run's command as it is typed today: runs recorded while the harness was the
+    ``aioload.bench`` package name it so."""
+    return recorded.replace("-m aioload.bench", "-m benchmarks")
+
+
 def render_markdown(meta: dict[str, Any], rows: list[SummaryRow], png_name: str) -> str:
     m = meta["machine"]
     cfg = meta["config"]
-    header, body = table_rows(rows)
     out: list[str] = ["# Benchmarks: aioload vs `torch.utils.data.DataLoader`", ""]
     if meta["fake"]:
         out += [
@@ -491,7 +704,10 @@ def render_markdown(meta: dict[str, Any], rows: list[SummaryRow], png_name: str)
             "",
         ]
     out += [
-        "Generated by the benchmark harness (`benchmarks/`); do not edit by hand.",
+        "`make bench` writes this page, the JSON of every run (`benchmarks.json`), the plot, "
+        "and the short table of ratios on the home page and in the README, all from one run. "
+        "A run takes about 15 minutes. `python -m benchmarks --from-json docs/benchmarks.json` "
+        "writes them again from a run's JSON.",
         "",
     ]
     sources = meta.get("sources")
@@ -503,12 +719,47 @@ def render_markdown(meta: dict[str, Any], rows: list[SummaryRow], png_name: str)
                 f"{source['git_rev']}):",
                 "",
                 "```",
-                source["command"],
+                _command(source["command"]),
                 "```",
                 "",
             ]
     else:
-        out += ["```", meta["command"], "```", ""]
+        out += ["The run's command:", "", "```", _command(meta["command"]), "```", ""]
+    out += [
+        "## Results",
+        "",
+        f"Medians over {cfg['repeats']} repeats; every run is a fresh process, and the runs of "
+        "the loaders alternate.",
+        "",
+        f"![aioload's items/s over torch's, for each workload and mode, on a log scale]"
+        f"({png_name})",
+        "",
+        results_tables(meta, rows),
+    ]
+    found = targets(rows, meta.get("startup") or {}, meta.get("import"))
+    if found:
+        out += [
+            "## Targets",
+            "",
+            "What the benchmark expects of aioload on this machine, with 2 workers; medians "
+            "of alternating runs. These are benchmark targets, not timed tests. Where the "
+            "figures come from is in [Benchmark notes](benchmark-notes.md).",
+            "",
+            markdown_table(
+                ["", "target", "measured"],
+                [
+                    ["PASS" if t.ok else ("n/a" if t.ok is None else "**FAIL**"), t.name, t.figure]
+                    for t in found
+                ],
+            ),
+            "",
+        ]
+    if meta.get("peers_absent"):
+        out += [
+            "Loaders not measured: "
+            + "; ".join(f"{k}: {v}" for k, v in meta["peers_absent"].items()),
+            "",
+        ]
     out += [
         "## Machine",
         "",
@@ -525,42 +776,6 @@ def render_markdown(meta: dict[str, Any], rows: list[SummaryRow], png_name: str)
         f"| uvloop | {m['uvloop']} |",
         f"| date | {m['date_utc']} |",
         "",
-        "## Results",
-        "",
-        f"Medians over {cfg['repeats']} repeat(s); every run is a fresh subprocess, and runs "
-        "alternate torch / aioload. The `async-*` rows are aioload under `async for` and are "
-        "compared with the same torch (sync) runs.",
-        "",
-        markdown_table(header, body),
-        "",
-        f"![aioload/torch throughput ratio]({png_name})",
-        "",
-    ]
-    if meta.get("targets"):
-        out += [
-            "## Targets (issue 17)",
-            "",
-            "2 workers on the machine above; medians of alternating runs. These are benchmark "
-            "targets, not timed tests.",
-            "",
-            "```",
-            *(Target(**t).line() for t in meta["targets"]),
-            "```",
-            "",
-            "Where the figures come from: the parent's CPU per batch in [Where the parent's time "
-            "goes](architecture.md#where-the-parents-time-goes) (`python -m "
-            "benchmarks.parent_profile`), and what keeps `image` below its floor in [Why "
-            "image stays below its floor](architecture.md#why-image-stays-below-its-floor) "
-            "(`python -m benchmarks.machine_profile`).",
-            "",
-        ]
-    if meta.get("peers_absent"):
-        out += [
-            "Peers not measured: "
-            + "; ".join(f"{k}: {v}" for k, v in meta["peers_absent"].items()),
-            "",
-        ]
-    out += [
         "## Workloads",
         "",
         "| workload | samples | batch | workers | what it measures |",
@@ -577,45 +792,35 @@ def render_markdown(meta: dict[str, Any], rows: list[SummaryRow], png_name: str)
         f"`cpu` burns {cfg['cpu_iters']:,} iterations of a pure-Python loop per sample "
         "(calibrated once to ~1 ms, identical for both loaders).",
         "",
-        "## Method and targets",
+        "## Method",
         "",
         "- **items/s**: items received after the first batch / time from first to last batch "
         f"arrival (steady state). A run stops once its steady state has lasted "
         f"{cfg['min_seconds']:g} s, mid-epoch (each epoch is longer); a further epoch is only "
         "added where one is shorter (see *notes*).",
-        "- **TTFB**: from just before `DataLoader(...)` is constructed (so eager work in the "
-        "constructor counts) until the first batch is received, including worker start-up.",
-        f"- **peak RSS**: max over samples every {cfg['sample_ms']:g} ms of the summed RSS of "
-        "the run's process and all its descendants (workers); `ru_maxrss` of the main "
-        "process is in `benchmarks.json`. Shared pages are counted once per process for "
-        "both loaders alike.",
-        "- Each batch is touched (at most 8 elements are read) and released before the "
-        "next one is requested.",
         "- **floor**: no loader: `num_workers` processes that only make the samples (the same "
         "dataset, the async one with the same concurrency where aioload reads that) and "
         "`torch.stack` them into a reused shared-memory buffer (`benchmarks/floor.py`). "
         "*% floor* is a loader's items/s over the floor's, from the same invocation.",
-        "- **peers**: `torchdata.nodes` (sampler -> `Batcher` -> process `ParallelMapper` "
-        "that fetches and collates -> `Loader`) and SPDL "
-        "(`spdl.dataloader.get_pytorch_dataloader`), from the `bench` extra. A peer's "
-        "failed runs are counted in its cell and left out of its median; unlike a failed "
-        "run of torch, aioload or the floor, they do not make the bench exit non-zero.",
-        "- **parent CPU/batch**: CPU time of the training process (all its threads, not "
-        "the workers) from the first to the last batch, per batch.",
-        "- **first batch** (targets): from just before `import aioload` (torch: before "
-        "`from torch.utils.data import DataLoader`; `import torch` is done before, for both) "
-        "to the first batch, in a fresh process (`benchmarks/_first_batch.py`, run by "
-        "path so nothing of aioload is imported earlier); then one short epoch, and the "
-        "next epoch's first batch from `iter(loader)`, `persistent_workers=False`. "
-        "Bytecode caches are on for both (`PYTHONDONTWRITEBYTECODE` is dropped for the "
-        "children, aioload is compiled first).",
-        "- Targets: throughput ratio "
-        + ", ".join(f"{w} >= {WORKLOADS[w].target_ratio:g}x" for w in cfg["workloads"])
-        + f"; aioload TTFB <= {TTFB_TARGET:g}x torch; aioload peak RSS <= {RSS_TARGET:g}x "
-        "torch.",
+        "- Each batch is touched (at most 8 elements are read) and released before the "
+        "next one is requested.",
+        "- **time to the first batch**: the three measurements are described above the table. "
+        "The fresh-process one runs `benchmarks/_first_batch.py` by path, so nothing of aioload "
+        "is imported earlier; bytecode caches are on for both loaders (aioload is compiled "
+        "first).",
+        f"- **peak RSS**: max over samples every {cfg['sample_ms']:g} ms of the summed RSS of "
+        "the run's process and all its descendants (workers); `ru_maxrss` of the main "
+        "process is in `benchmarks.json`. Shared pages are counted once per process for "
+        "both loaders alike.",
+        "- **CPU per batch**: CPU time of the training process (all its threads, not the "
+        "workers) from the first to the last batch, per batch.",
+        "- **other loaders**: `torchdata.nodes` (sampler -> `Batcher` -> process "
+        "`ParallelMapper` that fetches and collates -> `Loader`) and SPDL "
+        "(`spdl.dataloader.get_pytorch_dataloader`), from the `bench` extra. Their failed "
+        "runs are counted in their cells and left out of their medians.",
         "- `latency` and `http`: torch reads the synchronous version of the dataset, aioload "
         "the async one (`async def __getitem__`) with the workload's `worker_concurrency`; see "
-        "`docs/async-datasets.md`.",
+        "[Async datasets](async-datasets.md).",
         "",
         "Raw per-run numbers: `benchmarks.json`.",
         "",
@@ -703,13 +908,56 @@ def keep_ray_section(old: str, text: str) -> str:
     return text.rstrip("\n") + "\n\n" + section + "\n"
 
 
+SUMMARY_BEGIN = "<!-- bench-summary:begin (written by `make bench`; do not edit) -->"
+SUMMARY_END = "<!-- bench-summary:end -->"
+SUMMARY_PAGES = {"README.md": "docs/benchmarks.md", "docs/index.md": "benchmarks.md"}
+"""The pages, relative to the repository, that show the short table of ratios, each with its
+link to the benchmarks page."""
+
+
+def replace_summary(text: str, block: str) -> str | None:
+    """``text`` with its short table of ratios replaced by ``block``; None where it has no
+    place for one (both markers)."""
+    begin = SUMMARY_BEGIN.split(" (", 1)[0]
+    if begin not in text or SUMMARY_END not in text:
+        return None
+    head, rest = text.split(begin, 1)
+    tail = rest.split(SUMMARY_END, 1)[1]
+    return head + block + tail
+
+
+def write_summaries(repo: Path, meta: dict[str, Any], rows: list[SummaryRow]) -> list[Path]:
+    """Fill the short table of ratios in README.md and docs/index.md (where they have its
+    markers) from the same run as the benchmarks page."""
+    written = []
+    for name, link in SUMMARY_PAGES.items():
+        page = repo / name
+        if not page.exists():
+            continue
+        text = replace_summary(page.read_text(), render_summary(meta, rows, link))
+        if text is not None:
+            page.write_text(text)
+            written.append(page)
+    return written
+
+
 def write_all(
-    out_dir: Path, meta: dict[str, Any], rows: list[SummaryRow], runs: list[dict[str, Any]]
+    out_dir: Path,
+    meta: dict[str, Any],
+    rows: list[SummaryRow],
+    runs: list[dict[str, Any]],
+    *,
+    from_json: bool = False,
 ) -> list[Path]:
+    """Write the benchmarks page, its JSON and plot into ``out_dir``, and, where ``out_dir``
+    is a repository's ``docs/``, the short table of ratios in its README.md and index.md.
+    ``from_json``: the figures come from ``out_dir``'s benchmarks.json, which is left as it is.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     md, js, png = (out_dir / f"benchmarks.{ext}" for ext in ("md", "json", "png"))
-    meta, rows, runs = merge_previous(js, meta, rows, runs)
-    write_json(js, meta, rows, runs)
+    if not from_json:
+        meta, rows, runs = merge_previous(js, meta, rows, runs)
+        write_json(js, meta, rows, runs)
     write_png(png, rows, bool(meta["fake"]))
     # The sweep's section (make bench-sweep) is kept as it was, and so is the "Ray workers"
     # section (make bench-ray, benchmarks/ray.py), appended at the end.
@@ -718,4 +966,14 @@ def write_all(
     text = render_markdown(meta, rows, png.name)
     text = replace_block(text, sweep) if sweep else text
     md.write_text(keep_ray_section(old, text))
-    return [md, js, png]
+    written = [md, png] if from_json else [md, js, png]
+    if out_dir.resolve().name == "docs" and not meta["fake"]:
+        written += write_summaries(out_dir.resolve().parent, meta, rows)
+    return written
+
+
+def load_json(path: Path) -> tuple[dict[str, Any], list[SummaryRow], list[dict[str, Any]]]:
+    """A run's meta, summary rows and runs, as ``write_json`` wrote them."""
+    payload = json.loads(path.read_text())
+    rows = [SummaryRow(**row) for row in payload["summary"]]
+    return payload["meta"], rows, payload["runs"]

@@ -10,7 +10,8 @@ processes, alternating, ``--repeats`` times (medians):
 
 Samples are uint8 tensors cloned from a small pool (one memcpy each, ``bytes:<n>`` in
 :mod:`benchmarks.workloads`). Writes ``benchmarks-sweep.{json,png}`` and the sweep section of
-``benchmarks.md`` in ``--out-dir``.
+``benchmarks.md`` in ``--out-dir``; ``--from-json docs/benchmarks-sweep.json`` writes the
+section and plot again from a sweep's JSON, measuring nothing.
 """
 
 from __future__ import annotations
@@ -84,18 +85,24 @@ def _load_average() -> str:
 
 
 def render_block(results: list[dict[str, Any]], meta: dict[str, Any], png_name: str) -> str:
+    load = meta.get("load_average")
     lines = [
         report.SWEEP_BEGIN,
         "## How the cost grows (`make bench-sweep`)",
         "",
-        f"`{meta['command']}` on {meta['date_utc']} (git {meta['git_rev']}), "
+        f"`{meta['command'].strip()}` on {meta['date_utc']} (git {meta['git_rev']}), "
         f"{meta['cores']} cores; medians of {meta['repeats']} alternating run(s) of "
-        f"{meta['min_seconds']:g} s steady state each; load average (1, 5, 15 min) when "
-        f"it ended: {_load_average()}, the sweep's own processes included. Single points are "
-        "noisy; read the trends.",
+        f"{meta['min_seconds']:g} s steady state each"
+        + (
+            f"; load average (1, 5, 15 min) when it ended: {load}, the sweep's own processes "
+            "included"
+            if load
+            else ""
+        )
+        + ". Single points are noisy; read the trends.",
         "",
-        "| axis | value | batch | workers | floor items/s | torch items/s (% floor) "
-        "| aioload items/s (% floor) | aioload / torch |",
+        "| axis | value | batch | workers | aioload items/s (% floor) "
+        "| torch items/s (% floor) | aioload / torch | floor items/s |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -108,49 +115,28 @@ def render_block(results: list[dict[str, Any]], meta: dict[str, Any], png_name: 
         ratio = r["aioload"] / r["torch"] if r["torch"] > 0 else math.nan
         lines.append(
             f"| {r['axis']} | {_label(r['axis'], r['x'])} | {r['batch']} | {r['nw']} "
-            f"| {report.fmt_ips(floor)} | {cell(r['torch'])} | {cell(r['aioload'])} "
-            f"| {report.fmt_ratio(ratio)} |"
+            f"| {cell(r['aioload'])} | {cell(r['torch'])} | {report.fmt_ratio(ratio)} "
+            f"| {report.fmt_ips(floor)} |"
         )
     lines += [
         "",
         f"![items/s and % of floor along each axis]({png_name})",
         "",
-        "Reading it. Where batches are small (batch size 1-8, or small samples), the fixed "
-        "cost per batch dominates, and aioload, like torch, sits far below a floor that sends "
-        "nothing anywhere: every batch is a round trip (a task written to the worker's socket, "
-        "a reply read back, a slab lease decoded). The profiles (py-spy on the `tiny` "
-        "workload and at batch size 1; `python -m benchmarks.parent_profile`, see "
-        "[Where the parent's time goes](architecture.md#where-the-parents-time-goes)) put the "
-        "hot frames in `ParentChannel.pump_out` (the `send` that wakes a sleeping worker), "
-        "`ParentChannel._split` (reading the reply, packed with `struct` since this round "
-        "where its leaves are contiguous tensors) and `SlabMappings.decode` in the "
-        "parent, and in the worker's wait for its next task (`_ProcessWorker._next_message`). "
-        "What was ours to fix there is fixed: the sync front end's event-loop step per wait, "
-        "a socket-mode switch and an extra poll around every worker read, a pickler per reply, "
-        "a failing `recvmsg` per parent read, and (this round) a second `send` and frame per "
-        "batch for the slab the consumer had just freed (it rides on the worker's next task "
-        "now), a `select` before each wait that found nothing, and the numpy and torch arrays "
-        "a batch's leaves were made through. What remains is mostly the price of each "
-        "wake-up: the parent sleeps until the next answer and runs its few dozen Python calls "
-        "with cold caches, on cores it shares with the workers. With more workers than cores, "
-        "every process also waits for a core, and the parent, which must run once per batch, "
-        "is one of them. At the large-sample end (128 KB-8 MB) the floor is bound by memory "
-        "bandwidth. aioload's workers stack into slabs that rotate (one the consumer holds or "
-        "waiting its turn, one being written), which are cache-cold when reused, where the "
-        "floor refills one warm buffer: stacking 64 images took 733 us into 4 rotating slabs "
-        "against 378 us into one buffer, measured in isolation. Since 2026-11-25 a worker "
-        "copies each sample of 128 KiB or more into its row of the slab as the dataset "
-        "returns it, and lets go of it before the next is made (`aioload._worker.stacking`), so a "
-        "batch's samples no longer pile up beside the slabs and each is made in the bytes "
-        "of the one before: the floor still holds a whole batch of samples before it stacks "
-        "them. A worker takes the slab freed last (the warmest), takes it only when a batch "
-        "first needs it, and waits briefly for a large slab's free rather than make a third "
-        "(`WorkerSlabPool.acquire`; one worker in two used to rotate three). Both the workers and the "
-        "floor keep a batch's freed samples in the heap (`aioload._worker.heap`): glibc gave them "
-        "back to the kernel in some runs, and every batch faulted them in again (the "
-        "2026-11-23 sweep had 8 MB samples at 43% of the floor). Each point is one run "
-        "against a floor measured at another moment, on a machine whose memory bandwidth "
-        "varies from minute to minute: a point can even land above 100%.",
+        "Reading it:",
+        "",
+        "- **Small batches** (batch size 1-8, or small samples): the fixed cost of each batch "
+        "dominates. Every batch is a round trip between the training process and a worker (a "
+        "task written to the worker's socket, an answer read back, a slab's lease decoded), so "
+        "aioload, like torch, stays far below a floor that sends nothing anywhere. Larger "
+        "batches amortize it: where the cost goes is in "
+        "[Benchmark notes](benchmark-notes.md#where-the-parents-time-goes).",
+        "- **Large samples** (128 KB and more): the floor is bound by memory bandwidth, and so "
+        "is aioload, whose workers copy each large sample into its place in the batch's shared "
+        "memory as the dataset returns it. The floor is measured at another moment than the "
+        "loaders, on a machine whose memory bandwidth varies from minute to minute, so a point "
+        "can land above 100%.",
+        "- **More workers than cores**: every process also waits for a core, the training "
+        "process among them, which has to run once per batch.",
         "",
         report.SWEEP_END,
     ]
@@ -158,20 +144,22 @@ def render_block(results: list[dict[str, Any]], meta: dict[str, Any], png_name: 
 
 
 def write_png(path: Path, results: list[dict[str, Any]]) -> None:
+    """Items/s (top) and % of the floor (bottom) along each axis, sized to be shown at its own
+    width in the docs' text column (about 870 px)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     axes_names = list(dict.fromkeys(r["axis"] for r in results))
-    fig, axes = plt.subplots(2, len(axes_names), figsize=(4.2 * len(axes_names), 6.4), dpi=110)
+    fig, axes = plt.subplots(2, len(axes_names), figsize=(8.6, 6.4), dpi=100, squeeze=False)
     for col, axis in enumerate(axes_names):
         of = [r for r in results if r["axis"] == axis]
         xs = [r["x"] for r in of]
         top, bottom = axes[0][col], axes[1][col]
         for loader in LOADERS:
             top.plot(xs, [r[loader] for r in of], marker="o", label=loader, color=_COLOURS[loader])
-        for loader in ("torch", "aioload"):
+        for loader in ("aioload", "torch"):
             bottom.plot(
                 xs,
                 [100 * r[loader] / r["floor"] if r["floor"] > 0 else math.nan for r in of],
@@ -181,18 +169,29 @@ def write_png(path: Path, results: list[dict[str, Any]]) -> None:
             )
         for ax in (top, bottom):
             ax.set_xscale("log", base=2)
-            ax.set_xticks(xs, [_label(axis, x) for x in xs], fontsize=7)
-            ax.set_xlabel(axis)
+            ax.set_xticks(xs, [_label(axis, x) for x in xs], fontsize=9, rotation=30)
+            ax.minorticks_off()
+            ax.tick_params(axis="y", labelsize=9)
+            ax.set_xlabel(axis, fontsize=10)
         top.set_yscale("log")
-        top.set_ylabel("items/s")
-        bottom.set_ylabel("% of floor")
+        top.minorticks_off()
         bottom.set_ylim(bottom=0)
-        top.legend(fontsize=7)
-        bottom.legend(fontsize=7)
-    fig.suptitle("aioload vs torch vs the no-loader floor", fontsize=10)
+        if col == 0:
+            top.set_ylabel("items/s", fontsize=10)
+            bottom.set_ylabel("% of floor", fontsize=10)
+            top.legend(fontsize=9)
+    fig.suptitle("aioload vs torch vs the no-loader floor", fontsize=12)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _write(out_dir: Path, meta: dict[str, Any], results: list[dict[str, Any]]) -> list[Path]:
+    png, md = out_dir / "benchmarks-sweep.png", out_dir / "benchmarks.md"
+    write_png(png, results)
+    text = md.read_text() if md.exists() else "# Benchmarks\n"
+    md.write_text(report.replace_block(text, render_block(results, meta, png.name)))
+    return [md, png]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,7 +202,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--out-dir", type=Path, default=Path("docs"))
     p.add_argument("--no-write", action="store_true")
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="measure nothing: write the section and plot again from this sweep's JSON",
+    )
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if a.from_json is not None:
+        payload = json.loads(a.from_json.read_text())
+        for path in _write(a.from_json.parent, payload["meta"], payload["points"]):
+            print(f"wrote {path}")
+        return 0
     startup.compile_package()
     machine = report.machine_info()
     t0 = time.monotonic()
@@ -232,18 +243,13 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": a.repeats,
         "min_seconds": a.min_seconds,
         "elapsed_s": time.monotonic() - t0,
+        "load_average": _load_average(),
     }
     if not a.no_write:
         a.out_dir.mkdir(parents=True, exist_ok=True)
-        js, png, md = (
-            a.out_dir / n
-            for n in ("benchmarks-sweep.json", "benchmarks-sweep.png", "benchmarks.md")
-        )
+        js = a.out_dir / "benchmarks-sweep.json"
         js.write_text(json.dumps({"meta": meta, "points": results}, indent=2) + "\n")
-        write_png(png, results)
-        text = md.read_text() if md.exists() else "# Benchmarks\n"
-        md.write_text(report.replace_block(text, render_block(results, meta, png.name)))
-        for path in (md, js, png):
+        for path in [*_write(a.out_dir, meta, results), js]:
             print(f"wrote {path}")
     failed = sum(1 for r in results for loader in LOADERS if math.isnan(r[loader]))
     return 1 if failed else 0
