@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import inspect
 import warnings
 import weakref
@@ -16,23 +18,25 @@ from torch.utils.data._utils.collate import default_collate
 
 from ._aio import lazy_import as _lazy
 from ._aio import sync_loop as _sync
-from ._backends.base import BackendKeeper, WorkerBackend, WorkerSpec
-from ._backends.process import WorkerPool
+from ._backends.base import BackendKeeper, WorkerSpec
+from ._backends.choice import BackendChoice, choose_backend
 from ._backends.ray_config import RayWorkers
 from ._engine.orchestrator import END, PENDING, Orchestrator, PassSetup
-from ._engine.pinning import Transfer, make_transfer
+from ._engine.pinning import Transfer, make_transfer, torch_pin_plan
 from ._engine.resume import (
     FORMAT,
     PassProgress,
+    SamplerStack,
     StreamPoint,
     YieldedPositions,
     begin_pass,
     check_generator_count,
     generator_states,
+    parse_state,
 )
 from ._worker.async_detect import is_async_dataset
 from ._worker.datapipes import SharedSeeds, is_datapipe, is_iter_datapipe, reseed, shard_in_process
-from ._worker.fetch import SamplePolicy
+from ._worker.fetch import SamplePolicy, is_stateful
 from .stats import LoaderStats, PassStats, SkipCap, empty_stats
 
 __all__ = ["DataLoader"]
@@ -77,23 +81,28 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         device: str | torch.device | None = None,
         max_worker_restarts: int = 0,
         seed_per_sample: bool = False,
-        shard: str = "auto",
+        shard: str = "none",
         progress: bool = False,
         worker_concurrency: int = 1,
         workers: RayWorkers | None = None,
         on_sample_error: str | Callable[[Any, BaseException], str] = "raise",
         max_skipped: int | float | None = None,
         sample_retries: int = 0,
+        snapshot_every_n_steps: int | None = 1,
     ) -> None:
         if shard not in ("auto", "none"):
             raise ValueError(f"shard option should be 'auto' or 'none', but got shard={shard!r}")
-        # Under torch.distributed, each rank iterates its own shard of the default sampler. The
-        # shard is private and applies at iteration time only: the public ``sampler`` and
-        # ``batch_sampler`` describe the whole dataset, as torch's do, because frameworks read
-        # them to shard the data themselves (accelerate's prepare() wraps ``batch_sampler``;
-        # Lightning builds a DistributedSampler of ``dataset``). A sampler the user passes (such
-        # as a framework's DistributedSampler) is theirs, and left alone: no second shard.
-        # The rank is read here, where the shuffle seed is agreed (a collective).
+        # By default (shard="none") every rank iterates the whole dataset, as with torch's
+        # DataLoader, and nothing here talks to the other ranks: a loader built on one rank alone
+        # neither blocks nor drops data. With shard="auto", asked for, each rank iterates its own
+        # shard of the default sampler under torch.distributed. The shard is private and applies
+        # at iteration time only: the public ``sampler`` and ``batch_sampler`` describe the whole
+        # dataset, as torch's do, because frameworks read them to shard the data themselves
+        # (accelerate's prepare() wraps ``batch_sampler``; Lightning builds a DistributedSampler
+        # of ``dataset``). A sampler the user passes (such as a framework's DistributedSampler)
+        # is theirs, and left alone: no second shard. The rank is read here (no collective);
+        # shard="auto" with shuffle agrees on the shuffle seed here, a collective every rank
+        # must join.
         self._rank, self._world_size = _distributed_rank()
         shard_sampler: DistributedSampler[Any] | None = None
         if (
@@ -128,9 +137,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             generator=generator,
             prefetch_factor=prefetch_factor,
             persistent_workers=persistent_workers,
-            pin_memory_device=pin_memory_device,
-            in_order=in_order,
+            **_torch_only_arguments(pin_memory_device=pin_memory_device, in_order=in_order),
         )
+        # What the installed torch's DataLoader does not take, this one keeps itself.
+        if not hasattr(self, "pin_memory_device"):
+            self.pin_memory_device = pin_memory_device
+        if not hasattr(self, "in_order"):
+            self.in_order = in_order
         if self.prefetch_factor == 0 and self.num_workers > 0:
             # torch accepts 0 here and then fails inside its iterator; fail early and clearly.
             raise ValueError("prefetch_factor option should be positive when num_workers > 0")
@@ -162,6 +175,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         self.max_skipped = max_skipped
         self.sample_retries = sample_retries
         self.seed_per_sample = bool(seed_per_sample)
+        # torchdata's StatefulDataLoader argument, accepted so that its users change only the
+        # import. There it says how often workers send their dataset's state (a checkpoint
+        # between two snapshots re-reads the batches since the last one on resume); here the
+        # state comes with every batch that needs it, so a checkpoint is exact at every step
+        # and the value changes nothing (docs/resume.md).
+        self.snapshot_every_n_steps = _check_snapshot_steps(snapshot_every_n_steps)
         # Every argument reads back under its own name (Lightning rebuilds a DataLoader subclass
         # from its __init__ signature and these attributes); torch keeps all but these.
         self.shuffle = shuffle
@@ -192,6 +211,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         self._latest_pass: PassProgress | None = None
         self._pending_resume: PassProgress | None = None
         self._pending_in_progress = False
+        # The base seed of the kept workers (persistent_workers), for a state taken between
+        # passes: a resumed run starts its workers with it.
+        self._pool_seed: int | None = None
         # An IterDataPipe's per-pass shuffle seed, shared by the workers (and the ranks).
         self._shared_seeds = SharedSeeds()
         # What the first pass runs here, imported now rather than inside its clock (_aio.lazy_import).
@@ -228,14 +250,19 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             set_sampler_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        """Where iteration stands, as plain data (``torch.save``-able, and loadable with
-        ``torch.load(weights_only=True)``).
+        """Where iteration stands, as plain data: ``json.dumps``-able (RNG states are base64
+        text) and ``torch.save``-able (loadable with ``torch.load(weights_only=True)``), as far
+        as the states of your own Stateful objects are.
 
         Call it between any two batches, in ``for`` or ``async for``. A fresh loader built with
         the same arguments and given this state by :meth:`load_state_dict` yields exactly the
         batches the interrupted pass had not yet yielded: same contents, same order (with
         ``in_order=False``: the same remaining batches). Batches that were prefetched but not
         yet yielded are fetched again. Between passes, it names the next epoch.
+
+        It holds what torchdata's StatefulDataLoader holds of a dataset, an iterator, a sampler
+        or a batch sampler with ``state_dict()`` and ``load_state_dict()``: each one's state
+        after the last batch yielded (each worker's copy of the dataset on its own).
         """
         pending = self._pending_resume
         if pending is not None:
@@ -243,15 +270,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         elif self._latest_pass is not None and not self._latest_pass.finished:
             progress, in_progress = self._latest_pass, True
         else:
-            progress = PassProgress(
-                epoch=self._next_epoch,
-                rng=self._rng_snapshot(),
-                sample_seed=self._sample_seed,
-                iterable=self._dataset_kind == 1,
-                num_streams=max(1, self.num_workers),
-                drew_base_seed=not self._pool_reusable(),
-            )
-            in_progress = False
+            progress, in_progress = self._next_pass_progress(), False
         state = progress.as_dict()
         state.update(
             format=FORMAT,
@@ -259,16 +278,17 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             num_workers=self.num_workers,
             shard_seed=None if self._shard_sampler is None else int(self._shard_sampler.seed),
         )
-        return state
+        # A copy: the Stateful objects' states must not change under a checkpoint kept in
+        # memory (or written by another thread) while iteration goes on.
+        return copy.deepcopy(state)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Make the next pass continue from ``state`` (from :meth:`state_dict` of a loader
-        built with the same arguments; ``num_workers`` may differ for a map-style dataset)."""
-        if not isinstance(state, Mapping) or state.get("format") != FORMAT:
-            raise ValueError(
-                "aioload: load_state_dict expects a state from aioload.DataLoader.state_dict()"
-            )
-        progress = PassProgress.from_dict(dict(state))
+        built with the same arguments; ``num_workers`` may differ for a map-style dataset,
+        unless the dataset itself is Stateful and its workers' states were saved)."""
+        parsed = parse_state(state)
+        progress = parsed.progress
+        in_progress = parsed.in_progress
         iterable = self._dataset_kind == 1
         if progress.iterable != iterable:
             raise ValueError(
@@ -276,27 +296,50 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 f"{'n iterable' if progress.iterable else ' map-style'} dataset, this loader has "
                 f"a{'n iterable' if iterable else ' map-style'} one"
             )
-        if (
-            iterable
-            and bool(state["in_progress"])
-            and len(progress.streams) != max(1, self.num_workers)
+        streams = max(1, self.num_workers)
+        if len(progress.streams) != streams:
+            if iterable and in_progress:
+                raise ValueError(
+                    f"aioload: the state was saved with num_workers={parsed.num_workers}; an "
+                    "IterableDataset's streams are per worker, so resume it with the same number"
+                )
+            if any(point.has_state for point in progress.streams):
+                raise ValueError(
+                    f"aioload: the state holds the state_dict() of each of the "
+                    f"{len(progress.streams)} workers' copies of {type(self.dataset).__name__}"
+                    f" (saved with num_workers={parsed.num_workers}); they load only into a "
+                    f"loader with as many workers, and this one has num_workers="
+                    f"{self.num_workers}"
+                )
+            progress.streams = [StreamPoint() for _ in range(streams)]
+            progress.next_worker = 0
+        if any(point.dataset_state is not None for point in progress.streams) and not (
+            is_stateful(self.dataset)
         ):
             raise ValueError(
-                f"aioload: the state was saved with num_workers={state['num_workers']}; an "
-                "IterableDataset's streams are per worker, so resume it with the same number"
+                f"aioload: the state holds a state_dict() of the dataset, but "
+                f"{type(self.dataset).__name__} has no load_state_dict(); build the loader "
+                "with the same dataset"
             )
+        if progress.sampler is not None and progress.sampler.state is not None and not iterable:
+            stack = SamplerStack(self._index_sampler)
+            if not stack.target_stateful:
+                raise ValueError(
+                    "aioload: the state holds a state_dict() of the sampler, but "
+                    f"{type(stack.target).__name__} has no load_state_dict(); build the loader "
+                    "with the same sampler"
+                )
         # Checked now: a mismatch found when the next pass starts would drop the state.
         check_generator_count(progress.rng["generators"], self._generators())
-        if self._shard_sampler is not None and state.get("shard_seed") is not None:
-            self._shard_sampler.seed = int(state["shard_seed"])
+        if self._shard_sampler is not None and parsed.shard_seed is not None:
+            self._shard_sampler.seed = parsed.shard_seed
         if progress.sample_seed is not None:
             self._sample_seed = progress.sample_seed
-        if not bool(state["in_progress"]):
+        if not in_progress:
             progress.yielded = YieldedPositions()
-            progress.streams = [StreamPoint() for _ in range(max(1, self.num_workers))]
             progress.next_worker = 0
         skipped = sum(point.samples_seen for point in progress.streams if not point.has_state)
-        if skipped:
+        if skipped and in_progress:
             warnings.warn(
                 f"aioload: {type(self.dataset).__name__} has no state_dict()/load_state_dict(), "
                 f"so it is resumed by fast-forward: its streams re-read and drop the {skipped} "
@@ -306,7 +349,62 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             )
         self._number_next_pass(progress.epoch)
         self._pending_resume = progress
-        self._pending_in_progress = bool(state["in_progress"])
+        self._pending_in_progress = in_progress
+
+    def _next_pass_progress(self) -> PassProgress:
+        """The state between passes: the next pass, as it will start."""
+        reusable = self._pool_reusable()
+        iterable = self._dataset_kind == 1
+        return PassProgress(
+            epoch=self._next_epoch,
+            rng=self._rng_snapshot(),
+            sample_seed=self._sample_seed,
+            iterable=iterable,
+            num_streams=max(1, self.num_workers),
+            drew_base_seed=not reusable,
+            streams=self._next_points(reusable),
+            worker_seed=self._pool_seed if reusable else None,
+            sampler=None if iterable else SamplerStack(self._index_sampler).state_now(),
+        )
+
+    def _next_points(self, reusable: bool) -> list[StreamPoint]:
+        """Where each worker's dataset starts the next pass: in this process
+        (``num_workers=0``), as the dataset is now; on kept workers, as the last pass left
+        them (what it yielded); on fresh workers, untouched."""
+        if self.num_workers == 0:
+            return [self._live_point()]
+        latest = self._latest_pass
+        if reusable and latest is not None and len(latest.streams) == self.num_workers:
+            return [point.carried() for point in latest.streams]
+        return [StreamPoint() for _ in range(self.num_workers)]
+
+    def _live_point(self) -> StreamPoint:
+        """The state of the dataset in this process, if it is Stateful (and can say)."""
+        dataset = self.dataset
+        if not is_stateful(dataset):
+            return StreamPoint()
+        try:
+            state = dataset.state_dict()  # type: ignore[attr-defined]
+        except Exception:
+            # (A dataset that is its own iterator may know its state only once iterated.)
+            return StreamPoint()
+        return StreamPoint(dataset_state=copy.deepcopy(state))
+
+    def _start_points(
+        self, resume: PassProgress | None, reuse_workers: bool
+    ) -> tuple[list[StreamPoint] | None, bool]:
+        """Where each worker's dataset starts a pass that is not resumed, and whether the
+        workers load it: kept workers after a pass that was left early (``break``) fetched
+        batches nobody received, and are rewound to what the consumer got."""
+        if resume is not None:
+            return None, True
+        if self.num_workers == 0:
+            return [self._live_point()], False
+        latest = self._latest_pass
+        if reuse_workers and latest is not None and len(latest.streams) == self.num_workers:
+            carried = [point.carried() for point in latest.streams]
+            return carried, not latest.finished and any(p.has_state for p in carried)
+        return None, False
 
     def _pool_reusable(self) -> bool:
         """Whether the next pass runs on the live persistent workers (and so draws no seed)."""
@@ -419,24 +517,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         return int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
 
     def _transfer(self) -> Transfer | None:
-        """The pin / host-to-device stage this pass needs, if any (torch's warnings kept)."""
-        if self.pin_memory and self.pin_memory_device:
-            warnings.warn(
-                "pin_memory_device is deprecated, the current accelerator will be used as the "
-                f"device,ignore pin_memory_device='{self.pin_memory_device}'.",
-                stacklevel=4,
-            )
-        if self.pin_memory and not torch.accelerator.is_available():
-            warnings.warn(
-                "'pin_memory' argument is set as true but no accelerator is found, "
-                "then device pinned memory won't be used.",
-                stacklevel=4,
-            )
-        return make_transfer(self.pin_memory, self.device)
+        """The pin / host-to-device stage this pass needs, if any: ``pin_memory`` pins, and
+        warns, as the installed torch's iterator does (see ``torch_pin_plan``)."""
+        plan = torch_pin_plan(self.pin_memory, self.pin_memory_device)
+        plan.warn(stacklevel=4)
+        return make_transfer(plan, self.device)
 
     def _engine(self, offload_inline: bool) -> Orchestrator:
         """One pass: its setup, its backend (made on its first next()), and its engine."""
-        setup, make_backend, owns = self._pass_setup(offload_inline)
+        setup, backend = self._pass_setup(offload_inline)
         self._pass_stats = PassStats(
             max(1, self.num_workers),
             in_process=self.num_workers == 0,
@@ -444,17 +533,17 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         )
         # One list, appended to as batches are delivered: stats() and state_dict() read it.
         self._pass_stats.skipped = setup.progress.skipped
-        engine = Orchestrator(make_backend, setup, owns_backend=owns, stats=self._pass_stats)
-        if owns:
+        engine = Orchestrator(
+            backend.make, setup, owns_backend=backend.owned, stats=self._pass_stats
+        )
+        if backend.owned:
             # Also on garbage collection of an abandoned pass (``break``, ``del``) and at exit.
             weakref.finalize(engine, engine.owned.close)
         else:
             self._workers.current_pass = weakref.ref(engine)
         return engine
 
-    def _pass_setup(
-        self, offload_inline: bool
-    ) -> tuple[PassSetup, Callable[[], WorkerBackend], bool]:
+    def _pass_setup(self, offload_inline: bool) -> tuple[PassSetup, BackendChoice]:
         """The one place a pass is described: its number, its randomness (drawn or replayed,
         see ``_engine.resume.begin_pass``), its workers and its settings."""
         transfer = self._transfer()
@@ -464,6 +553,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             self._shard_sampler.set_epoch(epoch)
         resume, self._pending_resume = self._pending_resume, None
         reuse_workers = self._pool_reusable()
+        points, load_points = self._start_points(resume, reuse_workers)
         start = begin_pass(
             epoch=epoch,
             resume=resume,
@@ -479,41 +569,31 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             rank=self._rank,
             draw_shared_seed=(self._draw_shared_seed if is_iter_datapipe(self.dataset) else None),
             starts_workers=self.num_workers > 0,
+            points=points,
+            load_points=load_points,
+            worker_seed=self._pool_seed if reuse_workers else None,
         )
         self._sample_seed = start.sample_seed
         self._latest_pass = start.progress
+        if self.num_workers > 0 and not reuse_workers:
+            self._pool_seed = start.base_seed  # the workers this pass starts
         if start.shared_seed is not None:
             # The calling process's copy too, as torch seeds it (what num_workers=0 reads).
             reseed(self.dataset, start.shared_seed)
         if self.num_workers == 0 and is_datapipe(self.dataset):
             shard_in_process(self.dataset, self._world_size, self._rank)
 
-        spec = self._spec()
-        make_backend: Callable[[], WorkerBackend]
-        if self.num_workers == 0:
-            if self.timeout != 0:
-                raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
-            owns = True
-
-            def make_backend() -> WorkerBackend:
-                # Imported here: only num_workers=0 runs datasets in this process.
-                from ._backends.inline import InlineBackend
-
-                return InlineBackend(spec, offload=offload_inline)
-
-        else:
-            ray_workers = self.workers
-
-            def make_pool(base_seed: int) -> WorkerBackend:
-                if ray_workers is not None:
-                    from ._backends.ray import RayBackend  # imports Ray: only when a pass needs it
-
-                    return RayBackend(spec, base_seed, ray_workers)
-                # Staggered under `for` (see WorkerPool._start); under `async for` the pool
-                # starts in a thread, and its forks must not run on the loop later.
-                return WorkerPool(spec, base_seed, stagger=not offload_inline)
-
-            make_backend, owns = self._workers.for_pass(make_pool, start.base_seed)
+        if self.num_workers == 0 and self.timeout != 0:
+            refusal = _single_process_timeout_error()
+            if refusal is not None:
+                raise refusal
+        backend = choose_backend(
+            self._spec(),
+            keeper=self._workers,
+            base_seed=start.base_seed,
+            ray_workers=self.workers,
+            async_front=offload_inline,
+        )
 
         setup = PassSetup(
             batches=start.batches,
@@ -524,14 +604,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             max_worker_restarts=self.max_worker_restarts,
             progress=start.progress,
             plans=start.plans,
-            offload_start=offload_inline and self.num_workers > 0,
-            multiprocess=self.num_workers > 0,
+            traits=backend.traits,
             transfer=transfer,
             iterable_len=self._IterableDataset_len_called,
             dataset=self.dataset,
             skip_cap=self._skip_cap(),
         )
-        return setup, make_backend, owns
+        return setup, backend
 
     def stats(self) -> LoaderStats:
         """A snapshot of the current pass, or of the last one if none is running (an empty one
@@ -547,6 +626,41 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
     def shutdown(self) -> None:
         """Stop persistent workers now rather than when the loader is collected."""
         self._workers.shutdown()
+
+
+@functools.cache
+def _torch_parameters() -> frozenset[str]:
+    """The arguments the installed torch's DataLoader takes."""
+    return frozenset(inspect.signature(torch.utils.data.DataLoader.__init__).parameters)
+
+
+def _torch_only_arguments(**arguments: Any) -> dict[str, Any]:
+    """Those of ``arguments`` that the installed torch's DataLoader takes (``in_order`` came
+    with torch 2.6; ``pin_memory_device`` is deprecated from 2.9, and may go)."""
+    accepted = _torch_parameters()
+    return {name: value for name, value in arguments.items() if name in accepted}
+
+
+def _single_process_timeout_error() -> AssertionError | None:
+    """What torch's single-process iterator raises for ``timeout > 0``: a bare ``assert`` up to
+    torch 2.9 (no message), an AssertionError that says why from 2.10 on, nothing under
+    ``python -O`` where that assert is stripped."""
+    arguments = _torch_single_process_timeout_refusal()
+    return None if arguments is None else AssertionError(*arguments)
+
+
+@functools.cache
+def _torch_single_process_timeout_refusal() -> tuple[Any, ...] | None:
+    """The arguments of torch's refusal, asked of torch on an empty loader (with a generator of
+    its own: the iterator draws a seed, which must not come from the global RNG)."""
+    nothing: Any = []
+    probe: torch.utils.data.DataLoader[Any]
+    probe = torch.utils.data.DataLoader(nothing, timeout=1, generator=torch.Generator())
+    try:
+        iter(probe)
+    except AssertionError as error:
+        return error.args
+    return None
 
 
 def _distributed_rank() -> tuple[int, int]:
@@ -596,6 +710,15 @@ def _check_worker_concurrency(
     return worker_concurrency
 
 
+def _check_snapshot_steps(value: Any) -> int | None:
+    if value is not None and (type(value) is not int or value < 0):
+        raise ValueError(
+            "snapshot_every_n_steps option should be None or a non-negative integer, but got "
+            f"snapshot_every_n_steps={value!r}"
+        )
+    return value
+
+
 def _check_sample_errors(on_sample_error: Any, max_skipped: Any, sample_retries: Any) -> None:
     if not (on_sample_error in ("raise", "skip") or callable(on_sample_error)):
         raise ValueError(
@@ -633,17 +756,31 @@ def _check_sample_errors(on_sample_error: Any, max_skipped: Any, sample_retries:
 
 
 def _check_device(device: str | torch.device | None) -> torch.device | None:
-    """Validate ``device`` now, with a clear error, rather than in the middle of a pass."""
+    """Validate ``device`` now, with a clear error, rather than in the middle of a pass.
+
+    Where no accelerator is usable (a CPU-only build, or a CUDA build on a machine without a
+    GPU or driver), an accelerator ``device`` goes the way torch takes ``pin_memory=True``
+    there: one warning, and batches stay on the CPU, so one script runs on both machines. An
+    accelerator that is there but is not the one named, or a device index past the last, is
+    an error."""
     if device is None:
         return None
     resolved = torch.device(device)
     if resolved.type == "cpu":
         return None
+    if not torch.accelerator.is_available():
+        warnings.warn(
+            f"aioload: 'device' argument is set as {str(device)!r} but no accelerator is "
+            "found, then batches stay on the CPU.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return None
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError(
-                f"aioload: device={str(device)!r} needs CUDA, but torch.cuda.is_available() is "
-                "False (no GPU, or a CPU-only build of torch). Use device=None for CPU batches."
+                f"aioload: device={str(device)!r} needs CUDA, but the accelerator here is "
+                f"{torch.accelerator.current_accelerator()}."
             )
         if resolved.index is None:
             resolved = torch.device("cuda", torch.cuda.current_device())

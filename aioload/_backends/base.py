@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 from .._wire.messages import Event, PassPlan
 
@@ -24,11 +24,41 @@ if TYPE_CHECKING:
     from .._worker.fetch import SamplePolicy
     from .._worker.main import WorkerConfig
 
-__all__ = ["BackendKeeper", "WorkerBackend", "WorkerSpec"]
+__all__ = [
+    "IN_PROCESS",
+    "OUT_OF_PROCESS",
+    "BackendKeeper",
+    "BackendTraits",
+    "WorkerBackend",
+    "WorkerSpec",
+]
+
+
+class BackendTraits(NamedTuple):
+    """What the engine must know of a backend, declared by the backend's class (``TRAITS``),
+    so that the engine never asks which kind of backend it drives. Known before the backend
+    is made: the first is needed to decide how to make it."""
+
+    # Making one blocks for milliseconds (forks, actors): under ``async for`` the engine makes
+    # it in a thread, so that the caller's loop never stalls.
+    slow_start: bool
+    # Its workers fetch apart from the consumer (processes, actors), so tasks run ahead: the
+    # engine keeps the prefetch window full from the start and refills it as each batch is
+    # handed over, as torch's multiprocess iterator does. A backend that fetches in the
+    # calling process fetches a batch when it is asked for, as torch's single-process one.
+    runs_ahead: bool
+
+
+# The calling process: nothing to start, a batch fetched when it is asked for.
+IN_PROCESS = BackendTraits(slow_start=False, runs_ahead=False)
+# Processes or actors: milliseconds to start each, fetching ahead of the consumer.
+OUT_OF_PROCESS = BackendTraits(slow_start=True, runs_ahead=True)
 
 
 class WorkerBackend(Protocol):
     """What the engine needs from whatever runs its workers."""
+
+    TRAITS: ClassVar[BackendTraits]
 
     # Worker slots, numbered 0..num_workers-1 (a replacement keeps its slot).
     num_workers: int
@@ -66,8 +96,9 @@ class WorkerBackend(Protocol):
         worker is lost, or ``wake_fd`` or ``deadline``) rather than until any answer arrives.
         The others' answers are taken in by the ``poll`` after the wait."""
 
-    def restart(self, worker_id: int) -> None:
-        """Replace a lost worker in its slot, on this pass's plan."""
+    def restart(self, worker_id: int, plan: PassPlan | None = None) -> None:
+        """Replace a lost worker in its slot, on this pass's plan (or ``plan``: where the lost
+        worker's dataset stood, for a Stateful dataset)."""
 
     def abandon(self, worker_id: int) -> None:
         """Stop a worker that stopped answering; ``poll`` then reports it lost."""

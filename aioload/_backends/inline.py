@@ -17,7 +17,7 @@ import math
 import select
 import time
 import warnings
-from typing import Any
+from typing import Any, ClassVar
 
 # Imported with the module, not lazily: close() reaches the consumer's loop through
 # anyio.from_thread, which works only in anyio's worker threads, and _aio.waiting.run_off_loop runs
@@ -38,12 +38,14 @@ from .._wire.messages import (
 )
 from .._worker.async_fetch import AsyncFetcher, StreamEnd, has_async_context, is_async_dataset
 from .._worker.fetch import Fetcher
-from .base import WorkerSpec
+from .base import IN_PROCESS, BackendTraits, WorkerSpec
 
 __all__ = ["InlineBackend"]
 
 
 class InlineBackend:
+    # Fetches in the calling process, when a batch is asked for; nothing to start.
+    TRAITS: ClassVar[BackendTraits] = IN_PROCESS
     num_workers = 1
     # A fresh one per pass: never kept.
     retired = False
@@ -79,7 +81,7 @@ class InlineBackend:
         return [answer]
 
     # Nothing to heal in the calling process: no worker can be lost, so none is replaced.
-    def restart(self, worker_id: int) -> None:
+    def restart(self, worker_id: int, plan: PassPlan | None = None) -> None:
         raise AssertionError("the calling process is never restarted")
 
     def abandon(self, worker_id: int) -> None:
@@ -153,21 +155,31 @@ class InlineBackend:
             return Batch(batch)
         except StopIteration as exc:
             if spec.dataset_kind == 1:
+                self._record_stream(failed=True)
                 return StreamEnded()
             return Raised(exc)
         except Exception as exc:
             # Raised as it is, with its own traceback, as torch does in this mode.
+            self._record_stream(failed=True)
             return Raised(exc)
 
-    def _record_stream(self) -> None:
-        """Where an IterableDataset's stream stands after this task's batch (for state_dict),
-        as a worker's reply says it."""
+    def _record_stream(self, failed: bool = False) -> None:
+        """Where the dataset stands after this task (for state_dict), as a worker's reply says
+        it: an IterableDataset's stream, and the state of a Stateful dataset (and iterator).
+        After a failed task, as far as it can be told."""
         fetcher = self.fetcher
-        if fetcher.iterable:
+        if fetcher is None:
+            return
+        try:
+            point = fetcher.point()
+        except Exception:
+            if not failed:
+                raise
+            return
+        if point is not None:
             # A copy: in this process the dataset's state object may be the live one, which
             # later batches would change under the checkpoint.
-            state = copy.deepcopy(fetcher.state())
-            self.stream = StreamState(fetcher.samples_seen, state, fetcher.ended)
+            self.stream = copy.deepcopy(point)
 
     async def _fetch_async(self, task_id: int, indices: Any) -> Outcome:
         spec = self.spec
@@ -190,8 +202,10 @@ class InlineBackend:
             self._record_stream()
             return Batch(batch)
         except StreamEnd:
+            self._record_stream(failed=True)
             return StreamEnded()
         except Exception as exc:
+            self._record_stream(failed=True)
             return Raised(exc)
 
     def close(self) -> None:

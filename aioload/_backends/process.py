@@ -25,7 +25,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from .._aio.waiting import ReadableWait
 from .._wire.channel import ChannelClosed, ParentChannel
@@ -49,7 +49,7 @@ from .._wire.messages import (
 from .._wire.packed import pack_to_worker, unpack_reply
 from .._wire.slabs import EAGER_FREE_BYTES, SlabMappings
 from ..errors import WorkerDiedError
-from .base import WorkerSpec
+from .base import OUT_OF_PROCESS, BackendTraits, WorkerSpec
 
 __all__ = ["WorkerPool"]
 
@@ -307,6 +307,9 @@ class WorkerPool:
     """``num_workers`` processes, each with its own socket, serving index tasks: the process
     implementation of ``_backends.base.WorkerBackend``. Health checks (process sentinels, exit codes)
     and the pin stage's wake-up descriptor stay in here, behind one selector."""
+
+    # Forking takes milliseconds a worker; workers fetch ahead of the consumer.
+    TRAITS: ClassVar[BackendTraits] = OUT_OF_PROCESS
 
     def __init__(self, spec: WorkerSpec, base_seed: int, *, stagger: bool = False) -> None:
         self.spec = spec
@@ -652,9 +655,11 @@ class WorkerPool:
         error = WorkerDiedError(message, worker_id=worker.worker_id, pid=worker.pid, exitcode=code)
         events.append(WorkerLost(worker.worker_id, error))
 
-    def restart(self, worker_id: int) -> None:
-        """Replace a lost worker with a fresh process in the same slot, on this pass's plan.
-        Its predecessor's answers were taken in before its loss was reported."""
+    def restart(self, worker_id: int, plan: PassPlan | None = None) -> None:
+        """Replace a lost worker with a fresh process in the same slot, on this pass's plan
+        (or ``plan``). Its predecessor's answers were taken in before its loss was reported."""
+        if plan is not None:
+            self.plans[worker_id] = plan
         old = self.workers[worker_id]
         self._retire(old)
         replacement = self._spawn(worker_id)
@@ -679,8 +684,11 @@ class WorkerPool:
         self.retired = True
 
     def describe(self, worker_id: int) -> str:
+        # A query: a worker of a staggered start that is not forked yet is named as such (it
+        # is forked by its first task or the first wait, and the engine names it again then).
         worker = self.workers[worker_id]
-        self._fork_if_waiting(worker)  # a worker is named by its pid: it needs one now
+        if worker.pid is None:
+            return f"worker {worker_id}, starting"
         return f"pid {worker.pid}"
 
     async def wait(

@@ -34,7 +34,7 @@ import time
 import warnings
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from .._aio.waiting import ReadableWait
 from .._wire import slabs as _transport
@@ -48,6 +48,7 @@ from .._wire.messages import (
     Reply,
     Reset,
     StreamEnded,
+    StreamState,
     Task,
     ValueBatch,
     WorkerLost,
@@ -55,7 +56,7 @@ from .._wire.messages import (
 from .._worker.heap import HeapPolicy
 from .._worker.main import StepResult, WorkerConfig, WorkerStep
 from ..errors import WorkerDiedError
-from .base import WorkerSpec
+from .base import OUT_OF_PROCESS, BackendTraits, WorkerSpec
 
 __all__ = ["RayBackend"]
 
@@ -101,7 +102,8 @@ class _ActorImpl:
 
     def run(self, task: Task) -> Reply:
         started = time.perf_counter()
-        return _reply(task, self.step.run(task), started)
+        result = self.step.run(task)
+        return _reply(task, result, self.step.point_of(result), started)
 
 
 class _AsyncActorImpl(_ActorImpl):
@@ -155,22 +157,21 @@ class _AsyncActorImpl(_ActorImpl):
             # that order, since they pull from one stream.
             async with self.turns:
                 result = await self.step.run_async(task)
+                stream = self.step.point_of(result)
         else:
             result = await self.step.run_async(task, self.step.fetcher)
-        return _reply(task, result, started)
+            stream = self.step.point_of(result)
+        return _reply(task, result, stream, started)
 
 
-def _reply(task: Task, result: StepResult, started: float) -> Reply:
+def _reply(task: Task, result: StepResult, stream: StreamState | None, started: float) -> Reply:
     """An actor's answer to ``task``: ``result`` is what the WorkerStep returned for it (a
-    batch, a Failure or StreamEnded), with the batch's tensors put on the wire (``to_wire``);
-    busy since ``started`` (``time.perf_counter()``)."""
-    stream = None
-    wire: Any
-    if isinstance(result, Failure | StreamEnded):
-        wire = result
-    else:
-        stream = result.stream
-        wire = ValueBatch(to_wire(result.data))
+    batch, a Failure or StreamEnded), with the batch's tensors put on the wire (``to_wire``),
+    and ``stream``, where the worker's dataset stood after it; busy since ``started``
+    (``time.perf_counter()``)."""
+    wire: Any = (
+        result if isinstance(result, Failure | StreamEnded) else ValueBatch(to_wire(result.data))
+    )
     return Reply(task.task_id, task.generation, wire, stream, time.perf_counter() - started, [])
 
 
@@ -270,6 +271,9 @@ def connect(address: str | None) -> None:
 
 
 class RayBackend:
+    # Creating actors takes a while; actors fetch ahead of the consumer.
+    TRAITS: ClassVar[BackendTraits] = OUT_OF_PROCESS
+
     def __init__(self, spec: WorkerSpec, base_seed: int, options: Any) -> None:
         import ray
 
@@ -483,7 +487,9 @@ class RayBackend:
         if fd is not None:
             self.selector.register(fd, selectors.EVENT_READ, "stage")
 
-    def restart(self, worker_id: int) -> None:
+    def restart(self, worker_id: int, plan: PassPlan | None = None) -> None:
+        if plan is not None:
+            self.plans[worker_id] = plan
         old = self.slots[worker_id]
         with contextlib.suppress(Exception):
             self._ray.kill(old.actor, no_restart=True)

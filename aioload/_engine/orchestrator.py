@@ -30,7 +30,7 @@ from collections.abc import Callable, Generator, Iterator
 from typing import Any, NamedTuple, NoReturn
 
 from .._aio.waiting import run_off_loop, running_asyncio_loop
-from .._backends.base import WorkerBackend
+from .._backends.base import BackendTraits, WorkerBackend
 from .._wire.messages import (
     AllSkipped,
     Answer,
@@ -47,6 +47,7 @@ from ..errors import DataLoaderTimeoutError
 from ..stats import PassStats, SkipCap, SkippedSample
 from .pinning import PinStage, Transfer
 from .resume import PassProgress, StreamPoint
+from .tuning import PassTuning
 
 __all__ = ["END", "PENDING", "Orchestrator", "PassSetup"]
 
@@ -74,11 +75,9 @@ class PassSetup(NamedTuple):
     # Where the pass records what it yielded (for state_dict()), and each worker's plan.
     progress: PassProgress
     plans: list[PassPlan]
-    # Start the backend in a thread (``async for`` with worker processes: forking takes
-    # milliseconds each and must not hold the caller's event loop).
-    offload_start: bool
-    # Workers in other processes (the IterableDataset length warning says so).
-    multiprocess: bool
+    # What the pass's backend declares of itself (``BackendTraits``): the engine's only
+    # knowledge of which kind of backend it drives.
+    traits: BackendTraits
     # The pin / host-to-device stage, if any.
     transfer: Transfer | None = None
     # torch's IterableDataset length warning: len(dataloader) as reported, and the dataset.
@@ -86,6 +85,9 @@ class PassSetup(NamedTuple):
     dataset: Any = None
     # max_skipped, if any (on_sample_error).
     skip_cap: SkipCap | None = None
+    # num_workers / prefetch_factor / worker_concurrency "auto": the pass's feed to the
+    # controller (``_engine.tuning``); None when every number is the user's.
+    tuning: PassTuning | None = None
 
 
 # The backend before the first next() starts it (every use checks for this first).
@@ -145,7 +147,7 @@ class Orchestrator:
         stats: PassStats | None = None,
     ) -> None:
         # The backend (worker pool) is built on the first next(): under ``async for`` that
-        # runs in a thread, see PassSetup.offload_start.
+        # runs in a thread where the backend is slow to start (BackendTraits.slow_start).
         self._make_backend = backend
         self.owned = PassResources()
         self._backend: WorkerBackend = _NOT_STARTED
@@ -156,6 +158,14 @@ class Orchestrator:
         self._batches = setup.batches
         num_workers = self._num_workers = setup.num_workers
         self._capacity = setup.prefetch * num_workers
+        # Slots dispatched to: the first ``_slots`` workers (num_workers="auto" changes it;
+        # the others idle, or are not started yet).
+        self._slots = num_workers
+        self._tuning = setup.tuning
+        self._concurrency: int | None = None
+        if self._tuning is not None:
+            self._slots = min(num_workers, self._tuning.workers)
+            self._capacity = self._tuning.depth * self._slots
         self._in_order = setup.in_order
         self._timeout = setup.timeout
         self._owns_backend = owns_backend
@@ -181,6 +191,9 @@ class Orchestrator:
         self._active = [not progress.streams[w].ended for w in range(num_workers)]
         # Samples each IterableDataset stream had drawn by its last answer.
         self._samples_seen = [progress.streams[w].samples_seen for w in range(num_workers)]
+        # Where each worker's dataset stood after its last answer: a replacement for a lost
+        # worker starts there (a Stateful dataset's state goes on).
+        self._answered = [progress.streams[w].copy() for w in range(num_workers)]
         # torch's round robin; a resumed IterableDataset pass starts where the last one was.
         self._next_worker = progress.next_worker % num_workers
         self._sampler_done = False
@@ -191,6 +204,8 @@ class Orchestrator:
         self._finished = False
         self._closed = False
         self._busy = False
+        # Whether stats name every worker (see _name_workers); the calling process is unnamed.
+        self._named = not setup.traits.runs_ahead
 
     # -- the one entry point -----------------------------------------------------------------
 
@@ -298,6 +313,8 @@ class Orchestrator:
                 await self._backend.wait(deadline, self._wake_fd(), self._awaited())
             finally:
                 self._busy = False
+            if not self._named:
+                self._name_workers()
 
     def next_blocking(self) -> Any:
         """``next`` for the sync front end: the waits block the calling thread, with no event
@@ -314,8 +331,8 @@ class Orchestrator:
         if self._over():
             return END
         if self._backend is _NOT_STARTED:
-            if self._setup.offload_start:
-                return PENDING
+            # In the calling thread, whatever it costs: the sync front end has no loop to keep
+            # running meanwhile.
             self._adopt(self._make_owned_backend())
             if self._closed:
                 return END
@@ -332,6 +349,8 @@ class Orchestrator:
                     return PENDING
             finally:
                 self._busy = False
+            if not self._named:
+                self._name_workers()
 
     def _deadline(self) -> float:
         return time.monotonic() + self._timeout if self._timeout > 0 else math.inf
@@ -387,7 +406,7 @@ class Orchestrator:
         return backend
 
     async def _start(self) -> None:
-        if self._setup.offload_start:
+        if self._setup.traits.slow_start:
             backend = await run_off_loop(self._make_owned_backend)
         else:
             backend = self._make_owned_backend()
@@ -405,24 +424,54 @@ class Orchestrator:
             self._close_owned()
             return
         backend.start_pass(self._setup.plans)
-        if self._setup.multiprocess:
+        if self._setup.traits.runs_ahead:
             # The first tasks go out before the workers are named: a pool that starts staggered
             # (the sync front end) forks each worker but the first as its first task goes out,
             # so the first starts working while the others are forked. (The next step would
             # dispatch them anyway; nothing draws from an RNG in between.)
             self._dispatch()
-            for worker_id in range(self._num_workers):
-                self.stats.where[worker_id] = backend.describe(worker_id)
+            self._name_workers()
+
+    def _name_workers(self) -> None:
+        """Where each worker runs, for stats and messages. Asked again after the first wait:
+        a worker may be named only once it has started (a staggered pool starts the last of
+        its workers at the first wait)."""
+        for worker_id in range(self._slots):
+            self.stats.where[worker_id] = self._backend.describe(worker_id)
+        self._named = not any(w is not None and w.endswith("starting") for w in self.stats.where)
+
+    def _apply_tuning(self) -> None:
+        """What the controller (``_engine.tuning``) chose: the slots dispatched to (retired
+        slots keep the tasks they hold, and answer them; their task ids keep the order), the
+        tasks in flight, and an async dataset's fetches in flight per worker."""
+        tuning = self._tuning
+        assert tuning is not None
+        slots = max(1, min(self._num_workers, tuning.workers))
+        if slots != self._slots:
+            self._slots = slots
+            activate = getattr(self._backend, "activate", None)
+            if activate is not None:
+                activate(slots)
+            self._named = False
+        self._capacity = tuning.depth * slots
+        concurrency = tuning.concurrency
+        if concurrency is not None and concurrency != self._concurrency:
+            self._concurrency = concurrency
+            set_concurrency = getattr(self._backend, "set_concurrency", None)
+            if set_concurrency is not None:
+                set_concurrency(concurrency)
 
     # -- dispatch ----------------------------------------------------------------------------
 
     def _pick_worker(self) -> int | None:
         # torch's rule: the next active worker in the cycle; with in_order=False also one that
         # holds fewer than its share of the prefetch budget.
-        active = sum(self._active)
-        for _ in range(self._num_workers):
-            worker_id = self._next_worker
-            self._next_worker = (worker_id + 1) % self._num_workers
+        # (Among the first ``_slots`` workers: num_workers="auto" may use fewer than it has.)
+        slots = self._slots
+        active = sum(self._active[:slots])
+        for _ in range(slots):
+            worker_id = self._next_worker if self._next_worker < slots else 0
+            self._next_worker = (worker_id + 1) % slots
             if self._active[worker_id] and (
                 self._in_order or self._per_worker[worker_id] < self._capacity // active
             ):
@@ -457,6 +506,10 @@ class Orchestrator:
         held = sorted(t for t, sent in self._inflight.items() if sent.worker_id == lost.worker_id)
         if self._restarts_left <= 0:
             self._fail(lost.error)
+        point = self._answered[lost.worker_id]
+        plan = self._setup.plans[lost.worker_id]._replace(
+            dataset_state=point.dataset_state, iter_state=point.iter_state
+        )
         self._restarts_left -= 1
         limit = self._setup.max_worker_restarts
         warnings.warn(
@@ -467,7 +520,7 @@ class Orchestrator:
             stacklevel=4,
         )
         self.stats.restarted(lost.worker_id)
-        self._backend.restart(lost.worker_id)
+        self._backend.restart(lost.worker_id, plan)
         self.stats.where[lost.worker_id] = self._backend.describe(lost.worker_id)
         for task_id in held:
             self._backend.submit(lost.worker_id, task_id, self._inflight[task_id].indices)
@@ -486,19 +539,20 @@ class Orchestrator:
             # delivered (one with nothing left is delivered as AllSkipped: not yielded).
             self._skips[task_id] = skipped
             samples -= len(skipped)
+        stream = answer.stream
+        if stream is not None:
+            # Where the worker's dataset stands after the task: recorded when it is delivered.
+            point = StreamPoint.of(stream)
+            self._answered[worker_id] = point
+            self._assigned[task_id] = self._assigned[task_id]._replace(point=point)
         if isinstance(outcome, StreamEnded):
             # This worker's IterableDataset copy has run dry for this epoch.
             self._active[worker_id] = False
-        elif self.progress.iterable and answer.stream is not None:
-            stream = answer.stream
+        elif self.progress.iterable and stream is not None:
             # The stream's own count says what the batch holds (a short last batch, or a
             # collate whose result has no batch dimension).
             samples = stream.samples_seen - self._samples_seen[worker_id] - len(skipped)
             self._samples_seen[worker_id] = stream.samples_seen
-            point = StreamPoint(
-                stream.samples_seen, stream.state is not None, stream.state, stream.ended
-            )
-            self._assigned[task_id] = self._assigned[task_id]._replace(point=point)
         done = _Done(worker_id, outcome, samples)
         if self._in_order:
             self._reorder_buffer[task_id] = done
@@ -534,6 +588,9 @@ class Orchestrator:
     def _end_reached(self, task_id: int) -> None:
         assigned = self._assigned.pop(task_id, None)
         if assigned is not None:
+            if assigned.point is not None:
+                # The state after the stream ran dry: what the next pass starts from.
+                self.progress.streams[assigned.worker_id] = assigned.point
             self.progress.streams[assigned.worker_id].ended = True
         self._note_next_worker(task_id)
 
@@ -549,10 +606,11 @@ class Orchestrator:
             return
         progress = self.progress
         progress.yielded.add(assigned.position)
-        if progress.iterable:
-            if assigned.point is not None:
-                progress.streams[assigned.worker_id] = assigned.point
-            self._note_next_worker(task_id)
+        if assigned.point is not None:
+            progress.streams[assigned.worker_id] = assigned.point
+        # (Map-style too: a resumed pass gives the next batch to the worker whose dataset
+        # state would have fetched it.)
+        self._note_next_worker(task_id)
         skipped = self._skips.pop(task_id, None)
         if skipped:
             # Recorded with the batch's position, so a checkpoint has both or neither.
@@ -605,7 +663,11 @@ class Orchestrator:
         # ahead there.)
         # The queue depths above are read before the refill: they describe what was waiting
         # when this batch was handed over.
-        if self._setup.multiprocess:
+        if self._tuning is not None and self._tuning.after_batch(
+            value, len(self._inflight), len(self._reorder_buffer) + len(self._completed)
+        ):
+            self._apply_tuning()
+        if self._setup.traits.runs_ahead:
             self._dispatch()
         iterable_len = self._setup.iterable_len
         if iterable_len is not None and self._num_yielded > iterable_len:
@@ -614,7 +676,7 @@ class Orchestrator:
                 f"{iterable_len}(when accessing len(dataloader)), but "
                 f"{self._num_yielded} samples have been fetched. "
             )
-            if self._setup.multiprocess:
+            if self._setup.traits.runs_ahead:
                 warn_msg += (
                     "For multiprocessing data-loading, this could be caused by not properly "
                     "configuring the IterableDataset replica at each worker. Please see "
