@@ -161,11 +161,9 @@ class Orchestrator:
         # Slots dispatched to: the first ``_slots`` workers (num_workers="auto" changes it;
         # the others idle, or are not started yet).
         self._slots = num_workers
+        # (Set from the controller's choice when the pass starts on its backend, _adopt.)
         self._tuning = setup.tuning
         self._concurrency: int | None = None
-        if self._tuning is not None:
-            self._slots = min(num_workers, self._tuning.workers)
-            self._capacity = self._tuning.depth * self._slots
         self._in_order = setup.in_order
         self._timeout = setup.timeout
         self._owns_backend = owns_backend
@@ -424,6 +422,8 @@ class Orchestrator:
             self._close_owned()
             return
         backend.start_pass(self._setup.plans)
+        if self._tuning is not None:
+            self._apply_tuning()
         if self._setup.traits.runs_ahead:
             # The first tasks go out before the workers are named: a pool that starts staggered
             # (the sync front end) forks each worker but the first as its first task goes out,
@@ -452,7 +452,7 @@ class Orchestrator:
             activate = getattr(self._backend, "activate", None)
             if activate is not None:
                 activate(slots)
-            self._named = False
+            self._named = not self._setup.traits.runs_ahead
         self._capacity = tuning.depth * slots
         concurrency = tuning.concurrency
         if concurrency is not None and concurrency != self._concurrency:

@@ -1,0 +1,774 @@
+"""``num_workers="auto"``, ``prefetch_factor="auto"``, ``worker_concurrency="auto"``: a
+controller that reads a pass's own counters and adjusts the loader while it runs.
+
+Two parts:
+
+- :class:`Controller` is pure: it is fed one :class:`Window` of measurements at a time (the
+  consumer's waiting share, the workers' busy share, idle cores, the parent's CPU, queue
+  depths, batch bytes) and answers with :class:`Change` records, each with its reason. It reads
+  no clock and no counter of its own, so tests drive it with scripted windows.
+- :class:`PassTuning` is one pass's side of it: it turns the pass's ``PassStats`` counters into
+  windows (one every ``min_batches`` batches and ``min_seconds`` seconds, or ``max_seconds``),
+  and the orchestrator applies what the controller decides (``Orchestrator._apply_tuning``).
+
+How the controller decides (docs/tuning.md says the same for users):
+
+- It changes one knob at a time, and only on a clear signal: the consumer waits for data at
+  least ``WAIT_HIGH`` of its time (grow), or at most ``WAIT_LOW`` with the workers mostly idle
+  (shrink). Between the two it holds.
+- Every change is a trial, judged on the next window (after a worker is added, on the one
+  after: the new worker starts during the first). A growth must bring at least ``GAIN`` more
+  samples/s (``CONCURRENCY_GAIN`` for concurrency) or leave the consumer fed; a shrink must
+  keep ``KEEP`` of the throughput with the consumer still fed. A trial that fails is undone,
+  and the value it left becomes a ceiling (or floor) for the rest of the pass. A knob that
+  turns direction ``MAX_REVERSALS`` times in a pass is settled for that pass. So it cannot
+  oscillate: within a pass each knob makes a bounded number of moves.
+- Growth order when the consumer waits: concurrency (an async dataset's fetches in flight,
+  doubled from 4 up to 256, while it can be used: a worker has at most prefetch x batch size
+  samples to fetch), then workers (only while cores are measured idle and the workers are
+  busy), then prefetch depth (+1 per worker, within [1, 8], only while the workers have slack:
+  a deeper queue does not make a saturated worker faster, and more slabs in flight cost cache).
+- ``max_memory`` bounds ``(workers x depth + 2) x batch bytes``: the batches in flight plus the
+  one the consumer holds and one being handed over. It is enforced as soon as a batch's size is
+  known, by lowering depth first, then workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, NamedTuple
+
+__all__ = [
+    "AUTO",
+    "Change",
+    "Controller",
+    "PassTuning",
+    "Window",
+    "batch_bytes",
+    "cgroup_cpu_quota",
+    "usable_cores",
+]
+
+AUTO = "auto"
+
+# The knobs, by the DataLoader argument each one stands for.
+WORKERS = "num_workers"
+DEPTH = "prefetch_factor"
+CONCURRENCY = "worker_concurrency"
+
+START_WORKERS = 2
+START_DEPTH = 2
+MIN_DEPTH, MAX_DEPTH = 1, 8
+START_CONCURRENCY = 4
+MAX_CONCURRENCY = 256
+
+# The consumer's waiting share above which it is data-bound, and below which it is fed.
+WAIT_HIGH = 0.10
+WAIT_LOW = 0.03
+# Workers are added only while they are this busy (below it, more of them would idle too).
+BUSY_FOR_WORKERS = 0.60
+# Depth grows only while the workers are less busy than this (they wait for tasks).
+BUSY_SATURATED = 0.85
+# A worker is retired when the others would be at most this busy without it.
+SHRINK_BUSY = 0.70
+# Cores that must be idle (measured) before a worker is added.
+IDLE_MIN = 0.5
+# What a trial must bring to be kept.
+GAIN = 1.05
+CONCURRENCY_GAIN = 1.10
+KEEP = 0.95
+MAX_REVERSALS = 4
+# A window: at least this many batches and seconds, or this many seconds (and 2 batches).
+MIN_BATCHES = 8
+MIN_SECONDS = 0.25
+MAX_SECONDS = 2.0
+# Changes kept for stats() (the oldest are dropped first).
+MAX_CHANGES = 100
+
+
+# -- the machine ------------------------------------------------------------------------------
+
+
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup", proc_self: str = "/proc/self") -> float | None:
+    """The CPU quota of this process's cgroup in cores (cgroup v2 ``cpu.max``, or v1
+    ``cpu.cfs_quota_us / cpu.cfs_period_us``), the smallest along the path to the root; None
+    where there is none (or no cgroup file system)."""
+    quotas: list[float] = []
+    base = Path(root)
+    try:
+        lines = Path(proc_self, "cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    paths: list[Path] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            # v2: cpu.max in the process's own cgroup and each above it.
+            here = base / path.lstrip("/")
+            while True:
+                paths.append(here / "cpu.max")
+                if here == base or base not in here.parents:
+                    break
+                here = here.parent
+        elif "cpu" in controllers.split(","):
+            for mount in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+                directory = base / mount
+                if directory.is_dir():
+                    paths.append(directory / path.lstrip("/") / "cpu.cfs_quota_us")
+                    paths.append(directory / "cpu.cfs_quota_us")
+                    break
+    if not paths:
+        paths = [base / "cpu.max"]
+    for candidate in paths:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if candidate.name == "cpu.max":
+                fields = candidate.read_text().split()
+                if fields[0] != "max":
+                    period = int(fields[1]) if len(fields) > 1 else 100_000
+                    quotas.append(int(fields[0]) / period)
+            else:
+                quota_us = int(candidate.read_text())
+                period_us = int((candidate.parent / "cpu.cfs_period_us").read_text())
+                if quota_us > 0 and period_us > 0:
+                    quotas.append(quota_us / period_us)
+    return min(quotas) if quotas else None
+
+
+def _affinity() -> set[int]:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return set(range(os.cpu_count() or 1))
+
+
+def usable_cores() -> int:
+    """The cores this process may use: its CPU affinity, and its cgroup's CPU quota (rounded
+    to the nearest core, at least one)."""
+    cores = len(_affinity()) or 1
+    quota = cgroup_cpu_quota()
+    if quota is not None:
+        cores = min(cores, max(1, int(quota + 0.5)))
+    return max(1, cores)
+
+
+class _IdleCpus:
+    """Idle time of the cores in this process's affinity, from ``/proc/stat`` (idle + iowait
+    jiffies), in cores, between two calls; None where it cannot be read."""
+
+    def __init__(self, cpus: set[int], path: str = "/proc/stat") -> None:
+        self.names = {f"cpu{n}" for n in cpus}
+        self.path = path
+        self.last = self._read()
+
+    def _read(self) -> tuple[int, int] | None:
+        idle = total = 0
+        try:
+            with open(self.path, "rb") as source:
+                for raw in source:
+                    if not raw.startswith(b"cpu"):
+                        break
+                    fields = raw.split()
+                    if fields[0].decode() not in self.names:
+                        continue
+                    ticks = [int(x) for x in fields[1:9]]
+                    idle += ticks[3] + ticks[4]
+                    total += sum(ticks)
+        except (OSError, ValueError, IndexError):
+            return None
+        return (idle, total) if total else None
+
+    def sample(self, since: tuple[int, int] | None = None) -> float | None:
+        """Idle cores since the last call (or since ``since``, a reading: then the last
+        reading stays)."""
+        now = self._read()
+        if since is None:
+            since, self.last = self.last, now
+        if now is None or since is None or now[1] <= since[1]:
+            return None
+        return (now[0] - since[0]) / (now[1] - since[1]) * len(self.names)
+
+
+def batch_bytes(batch: Any, depth: int = 0) -> int:
+    """Bytes of a batch's tensors and arrays (in lists, tuples and dicts, a few levels deep)."""
+    nbytes = getattr(batch, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    element_size = getattr(batch, "element_size", None)
+    if callable(element_size) and hasattr(batch, "nelement"):
+        return int(element_size()) * int(batch.nelement())
+    if depth >= 4:
+        return 0
+    if isinstance(batch, dict):
+        return sum(batch_bytes(v, depth + 1) for v in list(batch.values())[:256])
+    if isinstance(batch, list | tuple):
+        return sum(batch_bytes(v, depth + 1) for v in batch[:256])
+    return 0
+
+
+# -- the controller ---------------------------------------------------------------------------
+
+
+class Window(NamedTuple):
+    """What one window of a pass measured (shares are of the window's wall time)."""
+
+    seconds: float
+    batches: int
+    samples: int
+    # The consumer's time waiting inside next() over its whole time (0..1).
+    waiting: float
+    # The active workers' time on tasks over their wall time, averaged (0..1; an async worker
+    # with several tasks at once counts as fully busy).
+    busy: float
+    # Idle cores (of those the process may use) over the window; None where unknown.
+    idle_cores: float | None = None
+    # The parent's CPU (all its threads) over the window, in cores.
+    parent_cpu: float = 0.0
+    # Mean tasks in flight, and answers waiting for their turn (in-order head-of-line), when
+    # a batch was handed over.
+    in_flight: float = 0.0
+    head_of_line: float = 0.0
+    # Bytes of the largest batch handed over in the window (0: unknown), and the parent's RSS.
+    batch_bytes: int = 0
+    rss_bytes: int = 0
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second."""
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        data = self._asdict()
+        data["samples_per_s"] = self.throughput
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in data.items()}
+
+
+class Change(NamedTuple):
+    """One decision: ``knob`` went from ``old`` to ``new``, for ``reason``."""
+
+    knob: str
+    old: int
+    new: int
+    reason: str
+    # The pass (0 for the loader's first) and seconds since that pass's first batch.
+    pass_index: int = 0
+    at_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "knob": self.knob,
+            "from": self.old,
+            "to": self.new,
+            "reason": self.reason,
+            "pass": self.pass_index,
+            "at_s": round(self.at_s, 3),
+        }
+
+
+class _Knob:
+    __slots__ = (
+        "auto",
+        "ceiling",
+        "direction",
+        "floor",
+        "high",
+        "low",
+        "name",
+        "reversals",
+        "value",
+    )
+
+    def __init__(self, name: str, auto: bool, value: int, low: int, high: int) -> None:
+        self.name = name
+        self.auto = auto
+        self.value = value
+        self.low = low
+        self.high = high
+        self.begin_pass()
+
+    def begin_pass(self) -> None:
+        # Bounds learned from failed trials, and the moves' directions: per pass.
+        self.ceiling = self.high
+        self.floor = self.low
+        self.direction = 0
+        self.reversals = 0
+
+    def can_grow(self) -> bool:
+        return self.auto and self.reversals < MAX_REVERSALS and self.value < self.ceiling
+
+    def can_shrink(self) -> bool:
+        return self.auto and self.reversals < MAX_REVERSALS and self.value > self.floor
+
+    def moved(self, new: int) -> None:
+        direction = 1 if new > self.value else -1
+        if self.direction and direction != self.direction:
+            self.reversals += 1
+        self.direction = direction
+        self.value = new
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"auto": self.auto, "value": self.value, "min": self.low, "max": self.high}
+
+
+class _Trial(NamedTuple):
+    knob: _Knob
+    old: int
+    new: int
+    baseline: float  # samples/s before the change
+
+
+class Controller:
+    """The decisions of one loader, across its passes. ``None`` for a knob pins it at its
+    start value (the integer the user passed).
+
+    ``workers``/``depth``/``concurrency``: an int pins the knob; None makes it automatic.
+    ``max_workers``: the slots the backend has (the cores the process may use).
+    ``per_pass_workers``: an IterableDataset's worker count, which cannot change within a
+    pass (each worker holds its own stream): chosen at the start of each pass from the
+    previous pass's measurements (``pass_workers``).
+    """
+
+    def __init__(
+        self,
+        *,
+        workers: int | None,
+        depth: int | None,
+        concurrency: int | None,
+        max_workers: int,
+        cores: int,
+        max_memory: int | None = None,
+        per_pass_workers: bool = False,
+        min_batches: int = MIN_BATCHES,
+        min_seconds: float = MIN_SECONDS,
+        max_seconds: float = MAX_SECONDS,
+    ) -> None:
+        self.cores = cores
+        self.max_memory = max_memory
+        self.per_pass_workers = per_pass_workers
+        self.min_batches = min_batches
+        self.min_seconds = min_seconds
+        self.max_seconds = max_seconds
+        max_workers = max(1, max_workers)
+        if workers is None:
+            start = min(START_WORKERS, max_workers)
+            if per_pass_workers:
+                # The first pass cannot grow: start at the cores less one for the consumer.
+                start = min(max_workers, max(start, cores - 1))
+            self.workers = _Knob(WORKERS, True, start, 1, max_workers)
+        else:
+            self.workers = _Knob(WORKERS, False, workers, workers, workers)
+        if depth is None:
+            self.depth = _Knob(DEPTH, True, START_DEPTH, MIN_DEPTH, MAX_DEPTH)
+        else:
+            self.depth = _Knob(DEPTH, False, depth, depth, depth)
+        if concurrency is None:
+            self.concurrency = _Knob(
+                CONCURRENCY, True, START_CONCURRENCY, START_CONCURRENCY, MAX_CONCURRENCY
+            )
+        else:
+            self.concurrency = _Knob(CONCURRENCY, False, concurrency, concurrency, concurrency)
+        self.changes: deque[Change] = deque(maxlen=MAX_CHANGES)
+        self.passes = 0
+        self.last_window: Window | None = None
+        # The whole current pass so far, as one window (what an IterableDataset's next pass
+        # is chosen from).
+        self.pass_window: Window | None = None
+        self.note = "no measurement yet"
+        self._trial: _Trial | None = None
+        self._skip = 0
+        self._pass_index = -1
+        self._at_s = 0.0
+
+    @property
+    def knobs(self) -> tuple[_Knob, _Knob, _Knob]:
+        return (self.workers, self.depth, self.concurrency)
+
+    @property
+    def any_auto(self) -> bool:
+        return any(k.auto for k in self.knobs)
+
+    # -- passes --------------------------------------------------------------------------------
+
+    def begin_pass(self) -> None:
+        """A pass starts from the values the last one ended with; what trials taught about
+        the last pass's bounds is forgotten (the data may differ)."""
+        if self.per_pass_workers and self.pass_window is not None and self.workers.auto:
+            self._plan_next_pass(self.pass_window)
+        self._pass_index += 1
+        self.passes += 1
+        for knob in self.knobs:
+            knob.begin_pass()
+        self._trial = None
+        self._skip = 0
+        self.pass_window = None
+
+    def pass_workers(self) -> int:
+        return self.workers.value
+
+    def _plan_next_pass(self, whole: Window) -> None:
+        """An IterableDataset's worker count for the next pass, from the whole last pass: one
+        step, by the same signals as within a pass."""
+        knob = self.workers
+        n = knob.value
+        new = n
+        if whole.waiting >= WAIT_HIGH and whole.busy >= BUSY_FOR_WORKERS and n < knob.high:
+            idle = whole.idle_cores
+            room = math.floor(idle) if idle is not None else knob.high - n
+            if room >= 1:
+                new = min(knob.high, n + max(1, min(n, room)))
+            reason = (
+                f"data-bound {whole.waiting:.0%} over the last pass, workers {whole.busy:.0%} busy"
+            )
+        elif whole.waiting <= WAIT_LOW and n > 1 and whole.busy * n / (n - 1) <= SHRINK_BUSY:
+            new = n - 1
+            reason = (
+                f"the consumer waited {whole.waiting:.0%} over the last pass and the workers "
+                f"were {whole.busy:.0%} busy: one fewer is enough"
+            )
+        if new != n:
+            self._record(knob, new, reason + " (an IterableDataset's count holds for a pass)")
+
+    # -- one window ----------------------------------------------------------------------------
+
+    def observe(self, window: Window, at_s: float = 0.0) -> list[Change]:
+        """Take one window's measurements; the changes made (often none)."""
+        self.last_window = window
+        self._at_s = at_s
+        changes = self._fit_memory(window)
+        if changes:
+            self._trial = None
+            return changes
+        if self._skip:
+            self._skip -= 1
+            self.note = "settling: a worker was added in the last window"
+            return []
+        trial, self._trial = self._trial, None
+        if trial is not None:
+            undone = self._judge(trial, window)
+            if undone is not None:
+                return [undone]
+        return self._decide(window)
+
+    def _record(self, knob: _Knob, new: int, reason: str) -> Change:
+        change = Change(knob.name, knob.value, new, reason, max(0, self._pass_index), self._at_s)
+        knob.moved(new)
+        self.changes.append(change)
+        self.note = reason
+        return change
+
+    def _try(self, knob: _Knob, new: int, window: Window, reason: str) -> list[Change]:
+        self._trial = _Trial(knob, knob.value, new, window.throughput)
+        if knob is self.workers and new > knob.value:
+            self._skip = 1  # the new workers start during the next window
+        return [self._record(knob, new, reason)]
+
+    def _judge(self, trial: _Trial, window: Window) -> Change | None:
+        knob = trial.knob
+        if knob.value != trial.new:
+            return None  # moved since (the memory budget)
+        now, before = window.throughput, trial.baseline
+        if trial.new > trial.old:
+            need = CONCURRENCY_GAIN if knob is self.concurrency else GAIN
+            if now >= before * need or window.waiting <= WAIT_LOW:
+                self.note = f"kept {knob.name}={trial.new}: {before:.0f} -> {now:.0f} samples/s"
+                return None
+            knob.ceiling = trial.old
+            return self._record(
+                knob,
+                trial.old,
+                f"undone: {knob.name} {trial.old} -> {trial.new} brought {before:.0f} -> "
+                f"{now:.0f} samples/s (less than {need - 1:.0%} more); {trial.old} is the "
+                "ceiling for this pass",
+            )
+        if now >= before * KEEP and window.waiting < WAIT_HIGH:
+            self.note = f"kept {knob.name}={trial.new}: {before:.0f} -> {now:.0f} samples/s"
+            return None
+        knob.floor = trial.old
+        return self._record(
+            knob,
+            trial.old,
+            f"undone: {knob.name} {trial.old} -> {trial.new} took {before:.0f} -> {now:.0f} "
+            f"samples/s with the consumer waiting {window.waiting:.0%}; {trial.old} is the "
+            "floor for this pass",
+        )
+
+    def _fits(self, workers: int, depth: int, window: Window) -> bool:
+        budget, size = self.max_memory, window.batch_bytes
+        if budget is None or size <= 0:
+            return True
+        return (workers * depth + 2) * size <= budget
+
+    def _fit_memory(self, window: Window) -> list[Change]:
+        budget, size = self.max_memory, window.batch_bytes
+        if budget is None or size <= 0 or self._fits(self.workers.value, self.depth.value, window):
+            return []
+        changes: list[Change] = []
+        fits = max(0, budget // size - 2)  # batches in flight the budget holds
+        reason = (
+            f"memory budget: max_memory={budget} holds {fits} batches of {size} bytes in flight"
+        )
+        depth, workers = self.depth, self.workers
+        if depth.auto and depth.value > depth.low:
+            new = max(depth.low, min(depth.value - 1, fits // max(1, workers.value)))
+            depth.ceiling = new
+            changes.append(self._record(depth, new, reason))
+        if (
+            not self._fits(workers.value, depth.value, window)
+            and workers.auto
+            and not self.per_pass_workers
+            and workers.value > 1
+        ):
+            new = max(1, min(workers.value - 1, fits // max(1, depth.value)))
+            workers.ceiling = new
+            changes.append(self._record(workers, new, reason))
+        if not changes:
+            self.note = reason + ", but nothing left to lower"
+        return changes
+
+    def _decide(self, window: Window) -> list[Change]:
+        if window.waiting >= WAIT_HIGH:
+            return self._grow(window)
+        if window.waiting <= WAIT_LOW:
+            return self._shrink(window)
+        self.note = f"holding: the consumer waits {window.waiting:.0%} of its time"
+        return []
+
+    def _grow(self, w: Window) -> list[Change]:
+        workers, depth, concurrency = self.workers, self.depth, self.concurrency
+        waiting = f"the consumer waits {w.waiting:.0%} of its time"
+        per_batch = w.samples / w.batches if w.batches else 1.0
+        # Samples a worker may be fetching at once: its tasks in flight x their size.
+        room = depth.value * per_batch
+        if concurrency.can_grow():
+            if concurrency.value < room:
+                new = min(concurrency.ceiling, concurrency.value * 2)
+                return self._try(
+                    concurrency, new, w, f"{waiting}: more fetches in flight per worker"
+                )
+            if depth.can_grow() and self._fits(workers.value, depth.value + 1, w):
+                return self._try(
+                    depth,
+                    depth.value + 1,
+                    w,
+                    f"{waiting}: worker_concurrency={concurrency.value} needs more tasks in "
+                    f"flight per worker ({room:.0f} samples now)",
+                )
+        if workers.can_grow() and not self.per_pass_workers and w.busy >= BUSY_FOR_WORKERS:
+            n = workers.value
+            idle = w.idle_cores
+            if idle is None:
+                idle = self.cores - w.parent_cpu - w.busy * n
+            if idle >= IDLE_MIN:
+                # The supply the consumer would take: n / (1 - waiting) workers, at most
+                # doubling, and no more than the idle cores.
+                wanted = math.ceil(n / max(0.05, 1.0 - w.waiting))
+                new = min(workers.ceiling, 2 * n, n + max(1, math.floor(idle)), max(n + 1, wanted))
+                while new > n and not self._fits(new, depth.value, w):
+                    new -= 1
+                if new > n:
+                    return self._try(
+                        workers,
+                        new,
+                        w,
+                        f"{waiting}, workers {w.busy:.0%} busy, {idle:.1f} cores idle",
+                    )
+        if (
+            depth.can_grow()
+            and w.busy < BUSY_SATURATED
+            and self._fits(workers.value, depth.value + 1, w)
+        ):
+            return self._try(
+                depth,
+                depth.value + 1,
+                w,
+                f"{waiting} while the workers are {w.busy:.0%} busy: more tasks in flight",
+            )
+        self.note = f"holding: {waiting}, but " + self._why_not(w)
+        return []
+
+    def _why_not(self, w: Window) -> str:
+        if self.workers.auto and self.workers.value >= self.workers.ceiling:
+            return f"num_workers={self.workers.value} is the most this pass allows"
+        if self.workers.auto and w.busy < BUSY_FOR_WORKERS:
+            return f"the workers are only {w.busy:.0%} busy"
+        if self.workers.auto:
+            return "no core is idle"
+        return "nothing automatic is left to raise"
+
+    def _shrink(self, w: Window) -> list[Change]:
+        workers = self.workers
+        n = workers.value
+        if workers.can_shrink() and not self.per_pass_workers and n > 1:
+            projected = w.busy * n / (n - 1)
+            if projected <= SHRINK_BUSY:
+                return self._try(
+                    workers,
+                    n - 1,
+                    w,
+                    f"the consumer is the bottleneck (waits {w.waiting:.0%}); the workers are "
+                    f"{w.busy:.0%} busy, {projected:.0%} with one fewer",
+                )
+        self.note = f"holding: the consumer is fed (waits {w.waiting:.0%})"
+        return []
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def brief(self) -> str:
+        """The current choice, for the progress bar: "auto: 4 workers, prefetch 2"."""
+        parts = []
+        if self.workers.auto:
+            parts.append(f"{self.workers.value} workers")
+        if self.depth.auto:
+            parts.append(f"prefetch {self.depth.value}")
+        if self.concurrency.auto:
+            parts.append(f"concurrency {self.concurrency.value}")
+        return "auto: " + ", ".join(parts)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            WORKERS: self.workers.as_dict(),
+            DEPTH: self.depth.as_dict(),
+            CONCURRENCY: self.concurrency.as_dict(),
+            "max_memory": self.max_memory,
+            "cores": self.cores,
+            "changes": [c.as_dict() for c in self.changes],
+            "now": self.note,
+            "last_window": None if self.last_window is None else self.last_window.as_dict(),
+            "pass_window": None if self.pass_window is None else self.pass_window.as_dict(),
+        }
+
+
+# -- one pass's measurements ------------------------------------------------------------------
+
+
+class _Mark(NamedTuple):
+    at: float
+    batches: int
+    samples: int
+    waiting_s: float
+    between_s: float
+    busy_s: tuple[float, ...]
+    cpu_s: float
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class PassTuning:
+    """One pass's feed to the controller: called by the orchestrator for every batch it hands
+    over (a counter and a clock read), it closes a window every ``min_batches`` batches and
+    ``min_seconds`` (or ``max_seconds``), and returns True when the controller changed
+    something the orchestrator must apply."""
+
+    def __init__(self, controller: Controller, stats: Any) -> None:
+        self.controller = controller
+        self.stats = stats
+        self._idle = _IdleCpus(_affinity())
+        self._first: _Mark | None = None
+        self._first_idle: tuple[int, int] | None = None
+        self._mark: _Mark | None = None
+        self._batches = 0
+        self._in_flight = 0
+        self._waiting = 0
+        self._largest = 0
+        controller.begin_pass()
+
+    @property
+    def workers(self) -> int:
+        return self.controller.workers.value
+
+    @property
+    def depth(self) -> int:
+        return self.controller.depth.value
+
+    @property
+    def concurrency(self) -> int | None:
+        knob = self.controller.concurrency
+        return knob.value if knob.auto else None
+
+    def report(self) -> dict[str, Any]:
+        return self.controller.report()
+
+    def brief(self) -> str:
+        return self.controller.brief()
+
+    def _take_mark(self, now: float) -> _Mark:
+        stats = self.stats
+        return _Mark(
+            now,
+            stats.batches,
+            stats.samples,
+            stats.waiting_s,
+            stats.between_s,
+            tuple(w.busy_s for w in stats.workers),
+            time.process_time(),
+        )
+
+    def after_batch(self, batch: Any, in_flight: int, waiting: int) -> bool:
+        now = time.perf_counter()
+        mark = self._mark
+        if mark is None:
+            self._first = self._mark = self._take_mark(now)
+            self._idle.sample()
+            self._first_idle = self._idle.last
+            return False
+        self._batches += 1
+        self._in_flight += in_flight
+        self._waiting += waiting
+        controller = self.controller
+        elapsed = now - mark.at
+        if not (
+            (self._batches >= controller.min_batches and elapsed >= controller.min_seconds)
+            or (self._batches >= 2 and elapsed >= controller.max_seconds)
+        ):
+            return False
+        size = batch_bytes(batch)
+        window = self._window(mark, now, max(self._largest, size))
+        first = self._first
+        assert first is not None
+        controller.pass_window = self._window(first, now, max(self._largest, size), whole=True)
+        self._mark = self._take_mark(now)
+        self._batches = self._in_flight = self._waiting = 0
+        self._largest = 0
+        return bool(controller.observe(window, now - first.at))
+
+    def _window(self, mark: _Mark, now: float, size: int, whole: bool = False) -> Window:
+        stats, controller = self.stats, self.controller
+        seconds = now - mark.at
+        waiting_s = stats.waiting_s - mark.waiting_s
+        between_s = stats.between_s - mark.between_s
+        consumer = waiting_s + between_s
+        active = min(controller.workers.value, len(stats.workers), len(mark.busy_s)) or 1
+        busy_s = sum(stats.workers[w].busy_s - mark.busy_s[w] for w in range(active))
+        busy = busy_s / (seconds * active) if seconds > 0 else 0.0
+        batches = stats.batches - mark.batches
+        idle = self._idle.sample(self._first_idle if whole else None)
+        if idle is not None and controller.cores < len(self._idle.names):
+            # A CPU quota below the affinity: the quota's own headroom counts.
+            used = (time.process_time() - mark.cpu_s) / seconds + busy * active
+            idle = min(idle, controller.cores - used)
+        return Window(
+            seconds=seconds,
+            batches=batches,
+            samples=stats.samples - mark.samples,
+            waiting=waiting_s / consumer if consumer > 0 else 0.0,
+            busy=min(1.0, max(0.0, busy)),
+            idle_cores=idle,
+            parent_cpu=(time.process_time() - mark.cpu_s) / seconds if seconds > 0 else 0.0,
+            in_flight=self._in_flight / batches if batches and not whole else 0.0,
+            head_of_line=self._waiting / batches if batches and not whole else 0.0,
+            batch_bytes=size,
+            rss_bytes=_rss_bytes() if not whole else 0,
+        )
