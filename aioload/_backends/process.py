@@ -41,6 +41,7 @@ from .._wire.messages import (
     PickledBatch,
     Reply,
     Reset,
+    SetConcurrency,
     SlabBatch,
     Task,
     ValueBatch,
@@ -303,6 +304,61 @@ def _describe_exit(worker: _WorkerHandle) -> tuple[str, int | None]:
     return f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {code}.", code
 
 
+def _start_process(ctx: Any, worker: _WorkerHandle, *, target: Any, config: Any) -> None:
+    """Start ``worker``'s process on its socket's child end, and let go of our copy of that end."""
+    child_sock = worker.child_end
+    assert child_sock is not None
+    process = ctx.Process(
+        target=target,
+        args=(config, child_sock),
+        name=f"aioload-worker-{worker.worker_id}",
+        daemon=True,
+    )
+    # Its own end, the new worker keeps.
+    _unforked_ends.discard(child_sock)
+    try:
+        # start() does not wait for the worker to initialise, so workers come up concurrently.
+        process.start()
+    finally:
+        # Our copy of the child's end must go, or the child's death would not close its socket.
+        worker.child_end = None
+        child_sock.close()
+    worker.process = process
+    worker.pid = process.pid
+
+
+def _stop_processes(forked: list[_WorkerHandle], grace: float) -> None:
+    """Steps 2 and 3 of ``WorkerPool.close``: wait up to ``grace`` seconds for the workers to
+    leave on their own (their sockets are closed by now), then kill whoever is left and reap
+    every one. Bounded: SIGKILL cannot be caught."""
+    # 2. Give them ``grace`` seconds to leave on their own, waiting on all sentinels at once.
+    pending = [w for w in forked if w.process.exitcode is None]
+    deadline = time.monotonic() + grace
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        ready = multiprocessing.connection.wait([w.process.sentinel for w in pending], timeout=left)
+        # A ready sentinel means the process is exiting, but it closes a moment before the
+        # process can be reaped, and ``exitcode`` reads None until then: waiting on the
+        # sentinel again would return at once, a busy loop (hundreds of turns, milliseconds
+        # of CPU per pool). join() on a ready sentinel waits for the exit status instead.
+        for worker in pending:
+            if worker.process.sentinel in ready:
+                worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
+        pending = [w for w in pending if w.process.exitcode is None]
+    # 3. Whoever is still there is stuck in user code: kill it. SIGKILL cannot be caught, so
+    #    the join below is bounded.
+    for worker in pending:
+        with contextlib.suppress(ProcessLookupError, OSError, ValueError):
+            worker.process.kill()
+    for worker in forked:
+        with contextlib.suppress(ValueError, AssertionError):
+            worker.process.join(timeout=5.0)
+            # Process.close() releases the sentinel descriptor now rather than at GC.
+            worker.process.close()
+
+
 class WorkerPool:
     """``num_workers`` processes, each with its own socket, serving index tasks: the process
     implementation of ``_backends.base.WorkerBackend``. Health checks (process sentinels, exit codes)
@@ -347,6 +403,11 @@ class WorkerPool:
         self._await_sets: dict[_WorkerHandle, select.poll] = {}
         self._await_sets_at = 0
         self._owner_pid = os.getpid()
+        # num_workers="auto": the engine dispatches to the first ``active`` workers only, and
+        # a staggered start forks the others when they are activated (``activate``).
+        self.active = self.num_workers
+        # worker_concurrency="auto": what the workers were last told (None: the spec's).
+        self.concurrency: int | None = None
         _pools.add(self)
         self._start()
 
@@ -408,8 +469,6 @@ class WorkerPool:
         # parent never runs it, a fork only needs it in memory, and `import aioload` stays cheap.
         from .._worker.main import worker_main
 
-        child_sock = worker.child_end
-        assert child_sock is not None
         config = self.spec.worker_config(
             worker.worker_id,
             self.base_seed,
@@ -417,26 +476,8 @@ class WorkerPool:
             payload=self._payload,
             shared_memory=True,
         )
-        process = self._ctx.Process(
-            target=worker_main,
-            args=(config, child_sock),
-            name=f"aioload-worker-{worker.worker_id}",
-            daemon=True,
-        )
-        # Its own end, the new worker keeps.
-        _unforked_ends.discard(child_sock)
-        try:
-            # start() does not wait for the worker to initialise, so workers come up
-            # concurrently.
-            process.start()
-        finally:
-            # Our copy of the child's end must go, or the child's death would not close its
-            # socket.
-            worker.child_end = None
-            child_sock.close()
-        worker.process = process
-        worker.pid = process.pid
-        self.selector.register(process.sentinel, selectors.EVENT_READ, (worker, "exit"))
+        _start_process(self._ctx, worker, target=worker_main, config=config)
+        self.selector.register(worker.process.sentinel, selectors.EVENT_READ, (worker, "exit"))
 
     def _fork_if_waiting(self, worker: _WorkerHandle) -> None:
         """Fork a worker of a staggered start that is still waiting for its fork (not one
@@ -445,8 +486,8 @@ class WorkerPool:
             self._fork(worker)
 
     def _fork_the_rest(self) -> None:
-        """Fork every worker of a staggered start that is not forked yet."""
-        for worker in self.workers:
+        """Fork every active worker of a staggered start that is not forked yet."""
+        for worker in self.workers[: self.active]:
             self._fork_if_waiting(worker)
 
     def _unregister(self, worker: _WorkerHandle) -> None:
@@ -665,6 +706,8 @@ class WorkerPool:
         replacement = self._spawn(worker_id)
         self.workers[worker_id] = replacement
         replacement.channel.queue(Reset(self.generation, self.plans[worker_id]))
+        if self.concurrency is not None:
+            replacement.channel.queue(SetConcurrency(self.concurrency))
 
     def _retire(self, worker: _WorkerHandle) -> None:
         # Its mappings stay alive as long as batches the consumer holds reference them.
@@ -682,6 +725,21 @@ class WorkerPool:
 
     def retire(self) -> None:
         self.retired = True
+
+    def activate(self, count: int) -> None:
+        """num_workers="auto": the engine dispatches to the first ``count`` workers. A
+        worker of a staggered start is forked by its first task (or the next wait); the
+        others stay as they are (an idle process, or a socket waiting for its fork)."""
+        self.active = max(1, min(self.num_workers, count))
+
+    def set_concurrency(self, concurrency: int) -> None:
+        """worker_concurrency="auto": tell every worker (one not forked yet reads it first
+        thing; a replacement is told on its start)."""
+        self.concurrency = concurrency
+        for worker in self.workers:
+            if not worker.channel.closed:
+                worker.channel.queue(SetConcurrency(concurrency))
+        self._flush()
 
     def describe(self, worker_id: int) -> str:
         # A query: a worker of a staggered start that is not forked yet is named as such (it
@@ -810,35 +868,7 @@ class WorkerPool:
             worker.channel.close()
             if worker.process is None:
                 self._unregister(worker)
-        forked = [w for w in self.workers if w.process is not None]
-        # 2. Give them ``grace`` seconds to leave on their own, waiting on all sentinels at once.
-        pending = [w for w in forked if w.process.exitcode is None]
-        deadline = time.monotonic() + grace
-        while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            ready = multiprocessing.connection.wait(
-                [w.process.sentinel for w in pending], timeout=left
-            )
-            # A ready sentinel means the process is exiting, but it closes a moment before the
-            # process can be reaped, and ``exitcode`` reads None until then: waiting on the
-            # sentinel again would return at once, a busy loop (hundreds of turns, milliseconds
-            # of CPU per pool). join() on a ready sentinel waits for the exit status instead.
-            for worker in pending:
-                if worker.process.sentinel in ready:
-                    worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
-            pending = [w for w in pending if w.process.exitcode is None]
-        # 3. Whoever is still there is stuck in user code: kill it. SIGKILL cannot be caught, so
-        #    the join below is bounded.
-        for worker in pending:
-            with contextlib.suppress(ProcessLookupError, OSError, ValueError):
-                worker.process.kill()
-        for worker in forked:
-            with contextlib.suppress(ValueError, AssertionError):
-                worker.process.join(timeout=5.0)
-                # Process.close() releases the sentinel descriptor now rather than at GC.
-                worker.process.close()
+        _stop_processes([w for w in self.workers if w.process is not None], grace)
         for worker in self.workers:
             worker.exited = True
         # 4. Unmapping our side happens as leases die: a batch the user still holds stays valid.
