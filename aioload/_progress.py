@@ -172,7 +172,7 @@ def wrap_async(inner: AsyncIterator[Any], loader: Any, options: dict[str, Any]) 
 
 
 class Progress:
-    """What :func:`progress` returns: iterate it with ``for`` or ``async for``."""
+    """What `progress()` returns: iterate it with ``for`` or ``async for``."""
 
     def __init__(self, loader: Any, options: dict[str, Any]) -> None:
         self.loader = loader

@@ -45,17 +45,110 @@ T_co = TypeVar("T_co", covariant=True)
 
 
 class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
-    """A drop-in replacement for ``torch.utils.data.DataLoader``.
+    """A drop-in replacement for `torch.utils.data.DataLoader`, with `async for`.
 
-    Same arguments, defaults, validation and results as torch's loader (it is a subclass, so
-    ``isinstance(loader, torch.utils.data.DataLoader)`` holds), plus ``async for``:
+    The same arguments, defaults, validation and batches as torch's loader: it is a subclass
+    (`isinstance(loader, torch.utils.data.DataLoader)` holds), and torch's `__init__` checks the
+    arguments, builds the samplers and picks the `collate_fn`. What aioload replaces is the
+    iterator: worker processes fed over one socket each, batches returned through reused
+    shared-memory slabs without a copy, and `async for` on the caller's event loop.
 
-        loader = aioload.DataLoader(ds, batch_size=64, num_workers=8)
-        for batch in loader: ...          # classic scripts
-        async for batch in loader: ...    # asyncio, uvloop or trio
+    ```python
+    loader = aioload.DataLoader(ds, batch_size=64, num_workers=8, shuffle=True)
+    for batch in loader: ...          # classic scripts
+    async for batch in loader: ...    # asyncio, uvloop or trio
+    ```
 
-    Workers are processes fed over one socket each; batches come back through reused
-    shared-memory slabs and reach the consumer without a copy.
+    Args:
+        dataset: The dataset to load from: map-style (`__getitem__` and `__len__`) or an
+            `IterableDataset`, as in torch. Either kind may be async (`async def __getitem__`,
+            `async def __getitems__`, or `__aiter__` through `aioload.AsyncIterableDataset`);
+            see `worker_concurrency`.
+        batch_size: How many samples per batch (default 1). `None` turns off automatic
+            batching, as in torch.
+        shuffle: Reshuffle the data at every epoch (torch's `RandomSampler`, drawing from
+            `generator`).
+        sampler: Draws the indices, instead of `shuffle`. It is iterated in the calling
+            process, as in torch; under `async for` that is on the event loop, so keep it
+            cheap.
+        batch_sampler: Draws a list of indices per batch; excludes `batch_size`, `shuffle`,
+            `sampler` and `drop_last`.
+        num_workers: How many worker processes load the data; 0 loads in the calling process
+            (under `async for`, in a thread, so the loop stays free).
+        collate_fn: Merges a list of samples into a batch; runs in the workers. With torch's
+            `default_collate` (the default) tensors are stacked straight into shared memory;
+            the tensors and arrays of any other `collate_fn`'s result are copied there. Under
+            the `spawn` and `forkserver` start methods it must be picklable: a module-level
+            function, not a lambda or a local function.
+        pin_memory: Copy each batch into page-locked memory before returning it, in a thread
+            of its own. Needs an accelerator; without one you get torch's warning and plain
+            batches.
+        drop_last: Drop the last batch if it is incomplete.
+        timeout: Seconds to wait for each batch, 0 for no limit. Past it,
+            `aioload.DataLoaderTimeoutError` names the batch, the worker and the indices it
+            holds; with `max_worker_restarts`, that worker is replaced instead.
+        worker_init_fn: Called in each worker with its id, after seeding and after
+            `get_worker_info()` is set. With an async dataset it may be a coroutine function,
+            awaited on the worker's event loop.
+        multiprocessing_context: How workers start: `"fork"`, `"spawn"`, `"forkserver"` or a
+            context object (default: Python's). Under `spawn` and `forkserver` the dataset,
+            `collate_fn` and `worker_init_fn` are pickled once in the parent.
+        generator: The random generator behind `shuffle`'s order and the workers' base seed.
+        prefetch_factor: Batches in flight per worker (default 2 with workers). `0` with
+            workers raises `ValueError` (torch accepts it, then fails while iterating).
+        persistent_workers: Keep the workers from one pass to the next. A pool that broke is
+            replaced on the next pass; `shutdown()` stops the workers at once.
+        pin_memory_device: Deprecated by torch and ignored, with torch's warning: pinning
+            targets the current accelerator.
+        in_order: `True` yields batches in sampler order; `False` as they complete, so a slow
+            sample does not hold back the others. No effect with `num_workers=0`.
+        device: Where batches arrive: `None` (or `"cpu"`) leaves them in memory; `"cuda"` or
+            `"cuda:N"` copies each batch to that GPU in a thread of its own, pinned and with
+            `non_blocking=True` on a CUDA stream of its own, and your current stream waits on an
+            event (no host sync). Another accelerator's device is copied to in the same thread,
+            without streams. A device that does not exist raises `RuntimeError` here.
+        max_worker_restarts: How many times per pass a worker that dies (or hangs past
+            `timeout`) is replaced by a new process with the same worker id, seed and
+            `worker_init_fn`. Its unanswered batches are fetched again, so the epoch completes
+            with every index exactly once, in order, and a `RuntimeWarning` names each death.
+            Past the limit, `aioload.WorkerDiedError` is raised as without restarts. Needs
+            `num_workers > 0`; refused for an `IterableDataset`, whose replacement would start
+            its stream over.
+        seed_per_sample: Seed `random`, torch's CPU generator and numpy before each sample's
+            fetch, from `(base seed, epoch, index)`: random augmentations are then bitwise the
+            same for any `num_workers`, any `in_order`, and after `load_state_dict`. For async
+            datasets each sample keeps its own random state across its awaits.
+        shard: `"none"` (the default) gives every rank the whole dataset, as torch's
+            DataLoader does. `"auto"`: under an initialized `torch.distributed`, with neither
+            `sampler` nor `batch_sampler` given, each rank iterates only its shard of the
+            dataset, with `DistributedSampler` semantics (padded unless `drop_last`, one
+            shuffle seed for all ranks, reshuffled every pass; `set_epoch()` jumps). The public
+            `sampler` and `batch_sampler` still describe the whole dataset, and `len(loader)`
+            counts this rank's batches. Build such a loader after `init_process_group`, on
+            every rank: with `shuffle`, agreeing on the seed is a collective.
+        progress: Draw a tqdm progress bar for each pass, with batches/s and the live share
+            of time spent waiting for data. `aioload.progress(loader)` does the same for one
+            pass.
+        worker_concurrency: For an async dataset: how many samples each worker fetches at
+            once, on its own event loop (with `num_workers=0`, in the calling process).
+            Batches still come out complete and in order. Above 1 with a sync dataset it
+            raises `ValueError`.
+        workers: Where the `num_workers` workers run: `None` for local processes, or
+            `aioload.RayWorkers(...)` for Ray actors on a Ray cluster (needs the `ray` extra).
+        on_sample_error: What a sample that fails to load does: `"raise"` (the default, as in
+            torch) raises its error at its place in the pass; `"skip"` leaves it out of its
+            batch (a batch that lost every sample is not yielded); a callable
+            `(index, exception) -> "raise" | "skip"` decides per error, in the worker. Every
+            skip is listed in `loader.stats().skipped`.
+        max_skipped: The most samples a pass may skip: an `int` is a count, a `float` in
+            (0, 1) a fraction of the pass's samples; `None` means no limit. Past it the pass
+            raises `aioload.TooManySampleErrors`.
+        sample_retries: How many times a failing sample is fetched again before it counts as
+            an error, after 50 ms, then 100 ms, 200 ms and so on (at most 5 s). A sample that
+            succeeds on a retry is not an error.
+        snapshot_every_n_steps: Accepted for torchdata's `StatefulDataLoader`, whose users
+            then change only the import; `None` or a non-negative integer. It changes nothing
+            here: `state_dict()` is exact after every batch.
     """
 
     def __init__(
@@ -255,7 +348,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         as the states of your own Stateful objects are.
 
         Call it between any two batches, in ``for`` or ``async for``. A fresh loader built with
-        the same arguments and given this state by :meth:`load_state_dict` yields exactly the
+        the same arguments and given this state by `load_state_dict()` yields exactly the
         batches the interrupted pass had not yet yielded: same contents, same order (with
         ``in_order=False``: the same remaining batches). Batches that were prefetched but not
         yet yielded are fetched again. Between passes, it names the next epoch.
@@ -283,7 +376,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         return copy.deepcopy(state)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Make the next pass continue from ``state`` (from :meth:`state_dict` of a loader
+        """Make the next pass continue from ``state`` (from `state_dict()` of a loader
         built with the same arguments; ``num_workers`` may differ for a map-style dataset,
         unless the dataset itself is Stateful and its workers' states were saved)."""
         parsed = parse_state(state)
@@ -447,6 +540,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
     # -- the two doors -----------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        """One pass over the data with `for`: each call starts a new pass (new workers, unless
+        `persistent_workers`). No event loop is involved; the calling thread blocks only while
+        it waits for a batch. `close()` on the iterator stops the pass's workers at once;
+        dropping it does the same."""
         iterator = _SyncIterator(self._engine(offload_inline=False), len_fn=self.__len__)
         if self.progress:
             from . import _progress  # only a loader with a progress bar needs it
@@ -455,6 +552,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         return iterator
 
     def __aiter__(self) -> AsyncIterator[Any]:
+        """One pass over the data with `async for`, on the running event loop (asyncio, uvloop
+        or trio): each call starts a new pass. Waiting for a batch never blocks the loop, and
+        every `__anext__` yields to it once. A cancellation ends the pass and stops its
+        workers. The iterator is an async context manager; `await it.aclose()` stops its
+        workers without blocking the loop."""
         _lazy.warm_async()
         iterator = _AsyncIterator(self._engine(offload_inline=True))
         if self.progress:

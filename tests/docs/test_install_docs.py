@@ -1,0 +1,35 @@
+"""The short path in: README.md and docs/quickstart.md say how to install aioload into your
+own environment, and name every dependency pip will install with it."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _dependencies() -> list[str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return [re.split(r"[<>=!~\[; ]", spec, maxsplit=1)[0] for spec in project["dependencies"]]
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/quickstart.md"])
+def test_the_install_section_names_every_dependency(page: str) -> None:
+    text = (ROOT / page).read_text()
+    section = text.split("## Install", 1)[1].split("\n## ", 1)[0]
+    assert "pip install /path/to/aioload" in section
+    assert 'pip install "git+' in section
+    missing = [name for name in _dependencies() if f"`{name}`" not in section]
+    assert not missing, f"{page}'s install section does not name {missing}"
+
+
+def test_the_quickstart_names_the_demo_make_run_runs() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    demo = re.search(r"^run:.*\n\t\$\(PY\) (examples/\w+\.py)", makefile, re.M)
+    assert demo, "the Makefile's run target runs no example"
+    for page in ("README.md", "docs/quickstart.md"):
+        assert demo.group(1) in (ROOT / page).read_text(), page

@@ -1,0 +1,39 @@
+"""The built docs site reads well at 1400 px: each page, opened from disk in headless Chromium,
+neither scrolls sideways nor has a table or code block that does, and shows its plots at a
+width where their text is legible (tools/check_site.py). Skipped where Chromium is not
+installed (Debian: `apt-get install chromium`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import check_site  # noqa: E402
+
+
+@pytest.mark.timeout(600)
+def test_every_page_fits_in_1400_px(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if check_site.find_chromium() is None:
+        pytest.skip("no Chromium to open the pages in (apt-get install chromium)")
+    mkdocs = Path(sys.executable).with_name("mkdocs")
+    if not mkdocs.exists():
+        pytest.skip("mkdocs is not installed (the docs extra)")
+    site = tmp_path / "site"
+    subprocess.run(
+        [str(mkdocs), "build", "--strict", "--quiet", "--site-dir", str(site)],
+        cwd=ROOT,
+        check=True,
+        timeout=300,
+        env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
+    )
+    status = check_site.main(["--site", str(site), "--width", "1400"])
+    assert status == 0, capsys.readouterr().out
+    assert "offline" in (ROOT / "mkdocs.yml").read_text()
+    assert (site / "search" / "search_index.js").exists(), "search does not work from disk"
