@@ -9,12 +9,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import selectors
 import sys
 import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ["ReadableWait", "run_off_loop", "running_asyncio_loop"]
+__all__ = ["ReadableWait", "WakeWatch", "run_off_loop", "running_asyncio_loop"]
 
 T = TypeVar("T")
 
@@ -205,3 +206,33 @@ async def _in_own_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], T]) -
             # the interpreter shuts down). Microseconds: join releases the GIL the thread
             # needs. (Not when the caller was cancelled: then fn may still be running.)
             thread.join()
+
+
+class WakeWatch:
+    """The engine's wake-up descriptor (its pin stage's pipe) among the descriptors a backend's
+    selector watches, so that the backend's one wait also ends when the stage has a batch.
+
+    The engine hands the descriptor to every wait; it changes only from pass to pass. The
+    previous pass's pipe is closed by the time a new pass starts, and its number may come
+    back for the new pipe: a closed descriptor leaves epoll by itself, so the selector's
+    record of it must go too (``forget``), or the new pipe would never be registered.
+    """
+
+    def __init__(self, selector: selectors.BaseSelector, data: object) -> None:
+        self._selector = selector
+        self._data = data  # what the selector's key carries, to tell this descriptor apart
+        self.fd: int | None = None
+
+    def watch(self, fd: int | None) -> None:
+        if fd == self.fd:
+            return
+        self.forget()
+        self.fd = fd
+        if fd is not None:
+            self._selector.register(fd, selectors.EVENT_READ, self._data)
+
+    def forget(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._selector.unregister(fd)

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from .._aio.waiting import ReadableWait
+from .._aio.waiting import ReadableWait, WakeWatch
 from .._wire.channel import ChannelClosed, ParentChannel
 from .._wire.messages import (
     Answer,
@@ -389,7 +389,7 @@ class WorkerPool:
         self._readable = ReadableWait(self.selector.fileno())
         # Its wait for one worker's answer (see wait's ``awaited``).
         self._awaited_epoll = _AwaitedEpoll()
-        self._wake_fd: int | None = None
+        self._wake = WakeWatch(self.selector, (None, "wake"))
         # This pass's plan for each worker (a replacement gets its slot's plan again).
         self.plans: list[PassPlan] = [PassPlan()] * self.num_workers
         # Deaths seen while waiting (by the health check), reported by the next poll().
@@ -520,10 +520,7 @@ class WorkerPool:
         if self.closed:
             raise RuntimeError("aioload: the worker pool has been shut down")
         self._lost.clear()
-        # The previous pass's pin stage pipe is closed by now, and its number may come back
-        # for this pass's pipe: a closed descriptor leaves epoll by itself, so the selector's
-        # record of it must go too, or the new pipe would never be registered.
-        self._watch(None)
+        self._wake.forget()  # the previous pass's pin stage pipe (see WakeWatch)
         # What a wait of an earlier pass saw is not this pass's news: poll() selects afresh.
         self._woken = None
         self.plans = list(plans)
@@ -826,18 +823,8 @@ class WorkerPool:
         the health-check period)."""
         self._fork_the_rest()  # a staggered start's workers that got no task yet
         self._flush()
-        if wake_fd != self._wake_fd:
-            self._watch(wake_fd)
+        self._wake.watch(wake_fd)
         return min(deadline - time.monotonic(), _HEALTH_CHECK_S)
-
-    def _watch(self, fd: int | None) -> None:
-        # The previous pass's pin stage pipe, if any, is closed by now: forget it.
-        if self._wake_fd is not None:
-            with contextlib.suppress(KeyError, ValueError, OSError):
-                self.selector.unregister(self._wake_fd)
-        self._wake_fd = fd
-        if fd is not None:
-            self.selector.register(fd, selectors.EVENT_READ, (None, "wake"))
 
     def _check_health(self) -> None:
         """Catch a worker that exited without its sentinel being seen yet."""

@@ -36,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .._aio.waiting import ReadableWait
+from .._aio.waiting import ReadableWait, WakeWatch
 from .._wire import slabs as _transport
 from .._wire.messages import (
     Answer,
@@ -318,7 +318,7 @@ class RayBackend:
         self.selector = selectors.DefaultSelector()
         self.selector.register(self._wake_r, selectors.EVENT_READ, "ray")
         self._readable = ReadableWait(self.selector.fileno())
-        self._wake_fd: int | None = None
+        self._wake = WakeWatch(self.selector, "stage")
         self._stop = threading.Event()
         self._submitted = threading.Event()
         # Results the waiter has seen ready (it watches the others); under ``_lock``.
@@ -367,7 +367,7 @@ class RayBackend:
         if self.closed:
             raise RuntimeError("aioload: the Ray workers have been shut down")
         self._lost.clear()
-        self._watch(None)
+        self._wake.forget()  # the previous pass's pin stage pipe (see WakeWatch)
         self.plans = list(plans)
         if self.passes:
             self.generation += 1
@@ -473,19 +473,10 @@ class RayBackend:
 
     def _before_wait(self, deadline: float, wake_fd: int | None) -> float:
         """Watch ``wake_fd``; how long the wait may last (0: something is already here)."""
-        if wake_fd != self._wake_fd:
-            self._watch(wake_fd)
+        self._wake.watch(wake_fd)
         if self._ready or self._lost:
             return 0.0
         return min(deadline - time.monotonic(), _HEALTH_CHECK_S)
-
-    def _watch(self, fd: int | None) -> None:
-        if self._wake_fd is not None:
-            with contextlib.suppress(KeyError, ValueError, OSError):
-                self.selector.unregister(self._wake_fd)
-        self._wake_fd = fd
-        if fd is not None:
-            self.selector.register(fd, selectors.EVENT_READ, "stage")
 
     def restart(self, worker_id: int, plan: PassPlan | None = None) -> None:
         if plan is not None:
