@@ -1,48 +1,66 @@
 """What a checkpoint records about a pass, and how a pass picks up from one.
 
-A pass is reproducible from three things: the RNG states from which its sampler order (and the
-base seed) were drawn, the epoch number, and what had been *yielded* to the consumer. Batches
-that were prefetched, in flight or sitting in the reorder buffer do not count: on resume they
-are fetched again. So the orchestrator updates a ``PassProgress`` at the one point where a batch
-leaves it, and the loader turns the latest one into ``state_dict()``.
+A pass is reproducible from what it drew its order from, the epoch number, the state of each
+Stateful object it runs, and what had been *yielded* to the consumer. Batches that were
+prefetched, in flight or sitting in the reorder buffer do not count: on resume they are fetched
+again. So the orchestrator updates a ``PassProgress`` at the one point where a batch leaves it,
+and the loader turns the latest one into ``state_dict()``.
 
-- Map-style: the sampler is re-created from the recorded RNG states and run again, and the
-  positions (batch numbers in sampler order) already yielded are skipped. With
+- The sampler order. A sampler built from torch's RNGs is replayed: the RNG states the pass drew
+  from are recorded, the sampler is run again from them, and the positions (batch numbers in
+  sampler order) already yielded are skipped. A Stateful sampler (torchdata's protocol:
+  ``state_dict()`` and ``load_state_dict()`` on the sampler, or on the iterator ``iter()``
+  returns) is asked for its state after every batch drawn, and a resumed pass loads the state
+  it had after the last batch yielded and goes on from there, as StatefulDataLoader does. With
   ``in_order=False`` the yielded positions are not a prefix; they are kept as a prefix plus the
   few beyond it, so the state stays small.
-- IterableDataset: each worker's stream is restored on its own. A dataset with
-  ``state_dict``/``load_state_dict`` reports its state after every batch; the state of the last
-  batch *yielded* from each worker is kept. Other datasets are fast-forwarded by the number of
-  samples each stream had yielded.
+- Each worker's dataset (``StreamPoint``). A Stateful dataset, or the iterator an
+  IterableDataset's ``iter()`` returns, reports its state with every batch; the state after the
+  last batch *yielded* from each worker is kept, and a resumed worker loads it: the dataset's
+  before ``iter(dataset)``, the iterator's after, as StatefulDataLoader does. An IterableDataset
+  with neither is fast-forwarded by the number of samples each stream had yielded.
+- Between passes, the state names the next pass: its epoch, its generators' states, the
+  sampler's state, and the state each worker's dataset starts it with (the finished pass's,
+  where the workers live on: ``num_workers=0`` or ``persistent_workers``).
 
-The state is plain data (ints, lists, dicts, byte tensors), loadable with
-``torch.load(weights_only=True)``.
+The state is plain data (ints, strings, lists, dicts; RNG states as base64 text), so it goes
+through ``json.dumps`` and ``torch.load(weights_only=True)`` alike. What the user's Stateful
+objects return is kept as they return it.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import BatchSampler, SequentialSampler
 
-from .._wire.messages import IndexRange, PassPlan
+from .._wire.messages import IndexRange, PassPlan, StreamState
+from .._worker.fetch import is_stateful
 from ..stats import SkippedSample
 
 __all__ = [
     "FORMAT",
     "PassProgress",
     "PassStart",
+    "SamplerStack",
     "StreamPoint",
     "YieldedPositions",
     "batches_of",
     "begin_pass",
     "numbered_batches",
+    "parse_state",
 ]
 
-FORMAT = "aioload.DataLoader/1"
+FORMAT = "aioload.DataLoader/2"
+# Every format load_state_dict reads: /1 kept RNG states as byte tensors and had no sampler,
+# worker seed or iterator states.
+FORMATS = ("aioload.DataLoader/1", FORMAT)
 
 
 class YieldedPositions:
@@ -74,22 +92,49 @@ class YieldedPositions:
 
 
 class StreamPoint:
-    """Where one worker's IterableDataset stream stood after its last yielded batch."""
+    """Where one worker's dataset stood after its last yielded batch (or at the pass's start,
+    before any): the state of its Stateful dataset and of the iterator ``iter(dataset)``
+    returned, and, for an IterableDataset, the samples its stream had drawn and whether it had
+    run dry. ``None`` for a state: nothing to load (not Stateful, or untouched)."""
 
     # (A plain class, not a dataclass: see _worker.fetch.SamplePolicy on what they cost to define.)
-    __slots__ = ("ended", "has_state", "samples_seen", "state")
+    __slots__ = ("dataset_state", "ended", "iter_is_dataset", "iter_state", "samples_seen")
 
     def __init__(
         self,
         samples_seen: int = 0,
-        has_state: bool = False,
-        state: Any = None,
+        dataset_state: Any = None,
         ended: bool = False,
+        iter_state: Any = None,
+        iter_is_dataset: bool = False,
     ) -> None:
         self.samples_seen = samples_seen
-        self.has_state = has_state
-        self.state = state
+        self.dataset_state = dataset_state
         self.ended = ended
+        self.iter_state = iter_state
+        # iter(dataset) returned the dataset itself: its state is iter_state (torchdata keeps
+        # it there, and loads it after iter()).
+        self.iter_is_dataset = iter_is_dataset
+
+    @classmethod
+    def of(cls, stream: StreamState) -> StreamPoint:
+        return cls(
+            stream.samples_seen,
+            stream.state,
+            stream.ended,
+            stream.iter_state,
+            stream.iter_is_dataset,
+        )
+
+    @property
+    def has_state(self) -> bool:
+        return self.dataset_state is not None or self.iter_state is not None
+
+    def carried(self) -> StreamPoint:
+        """What the worker's dataset starts the next pass with: its own state (the iterator's,
+        where it is its own iterator), loaded before the next ``iter(dataset)``."""
+        state = self.iter_state if self.iter_is_dataset else self.dataset_state
+        return StreamPoint(dataset_state=state)
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not StreamPoint:
@@ -100,29 +145,170 @@ class StreamPoint:
 
     def __repr__(self) -> str:
         return (
-            f"StreamPoint(samples_seen={self.samples_seen!r}, has_state={self.has_state!r}, "
-            f"state={self.state!r}, ended={self.ended!r})"
+            f"StreamPoint(samples_seen={self.samples_seen!r}, "
+            f"dataset_state={self.dataset_state!r}, ended={self.ended!r}, "
+            f"iter_state={self.iter_state!r}, iter_is_dataset={self.iter_is_dataset!r})"
         )
 
     def copy(self) -> StreamPoint:
-        return StreamPoint(self.samples_seen, self.has_state, self.state, self.ended)
+        return StreamPoint(
+            self.samples_seen,
+            self.dataset_state,
+            self.ended,
+            self.iter_state,
+            self.iter_is_dataset,
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "samples_seen": self.samples_seen,
-            "has_state": self.has_state,
-            "state": self.state,
             "ended": self.ended,
+            "dataset_state": self.dataset_state,
+            "iter_state": self.iter_state,
+            "iter_is_dataset": self.iter_is_dataset,
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> StreamPoint:
+    def from_dict(cls, data: Any, where: str) -> StreamPoint:
+        data = _mapping(data, where)
+        if "has_state" in data:  # format /1: the dataset's state, loaded before iter()
+            state = data.get("state") if _flag(data, "has_state", where) else None
+            return cls(_count(data, "samples_seen", where), state, _flag(data, "ended", where))
         return cls(
-            samples_seen=int(data["samples_seen"]),
-            has_state=bool(data["has_state"]),
-            state=data["state"],
-            ended=bool(data["ended"]),
+            samples_seen=_count(data, "samples_seen", where),
+            dataset_state=_field(data, "dataset_state", where),
+            ended=_flag(data, "ended", where),
+            iter_state=_field(data, "iter_state", where),
+            iter_is_dataset=_flag(data, "iter_is_dataset", where),
         )
+
+
+# -- the sampler's state (torchdata's Stateful protocol) -----------------------------------------
+
+
+class SamplerPoint(NamedTuple):
+    """A Stateful sampler's state: its own ``state_dict()``, and its iterator's."""
+
+    state: Any
+    iter_state: Any
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"state": self.state, "iter_state": self.iter_state}
+
+
+class SamplerStack:
+    """The sampler a pass draws its batches from, as torchdata's protocol sees it: the object
+    whose ``state_dict()`` describes it (the loader's batch sampler; for torch's own
+    ``BatchSampler``, the sampler inside it, which this class then batches as torch's does),
+    and the iterator its ``iter()`` returns, which may be Stateful too."""
+
+    def __init__(self, index_sampler: Iterable[Any]) -> None:
+        self.index_sampler = index_sampler
+        # torch's BatchSampler (that exact type) is batched here, over its sampler's own
+        # iterator, so that iterator's state can be asked for (torchdata's BatchSampler does
+        # the same). Its sequential fast path (``batches_of``) has nothing to ask.
+        exact = type(index_sampler) is BatchSampler
+        # torch's sequential batches, as bounds: nothing there has a state.
+        self.fast = exact and _sequential(index_sampler)  # type: ignore[arg-type]
+        self.batching = exact and not self.fast
+        self.target: Any = index_sampler.sampler if self.batching else index_sampler  # type: ignore[attr-defined]
+        self.target_stateful = is_stateful(self.target)
+        self.iterator: Any = None
+        self.iter_stateful = False
+
+    @property
+    def stateful(self) -> bool:
+        return self.target_stateful or self.iter_stateful
+
+    def state_now(self) -> SamplerPoint | None:
+        """The sampler's state between passes (no iterator), if it is Stateful."""
+        return SamplerPoint(self.target.state_dict(), None) if self.target_stateful else None
+
+    def point(self) -> SamplerPoint:
+        return SamplerPoint(
+            self.target.state_dict() if self.target_stateful else None,
+            self.iterator.state_dict() if self.iter_stateful else None,
+        )
+
+    def load(self, point: SamplerPoint | None) -> None:
+        """Load the sampler's own state; its iterator's is loaded after ``iter()``."""
+        if point is not None and point.state is not None:
+            if not self.target_stateful:
+                raise ValueError(
+                    f"aioload: the state holds a sampler state, but {type(self.target).__name__}"
+                    " has no state_dict()/load_state_dict(); build the loader with the same "
+                    "sampler"
+                )
+            self.target.load_state_dict(point.state)
+
+    def batches(self, point: SamplerPoint | None) -> Iterator[Any]:
+        """``iter()`` of the batch sampler (its iterator's checkpointed state loaded)."""
+        if self.fast:
+            return batches_of(self.index_sampler)
+        if self.batching:
+            return self._batched(point)
+        self._opened(iter(self.target), point)
+        return self.iterator  # type: ignore[no-any-return]
+
+    def _opened(self, iterator: Any, point: SamplerPoint | None) -> None:
+        self.iterator = iterator
+        self.iter_stateful = iterator is not self.target and is_stateful(iterator)
+        if point is not None and point.iter_state is not None:
+            if not is_stateful(iterator):
+                raise ValueError(
+                    "aioload: the state holds the state of the sampler's iterator, but "
+                    f"{type(iterator).__name__} has no state_dict()/load_state_dict(); build "
+                    "the loader with the same sampler"
+                )
+            iterator.load_state_dict(point.iter_state)
+
+    def _batched(self, point: SamplerPoint | None) -> Iterator[list[Any]]:
+        # torch's BatchSampler.__iter__, with the sampler's iterator kept: a generator, so the
+        # sampler is iter()'d, and its attributes read, when the first batch is asked for.
+        batch_sampler: Any = self.index_sampler
+        self._opened(iter(self.target), point)
+        sampler_iter = self.iterator
+        size = batch_sampler.batch_size
+        if batch_sampler.drop_last:
+            args = [sampler_iter] * size
+            for batch_droplast in zip(*args, strict=False):
+                yield [*batch_droplast]
+        else:
+            batch = [*itertools.islice(sampler_iter, size)]
+            while batch:
+                yield batch
+                batch = [*itertools.islice(sampler_iter, size)]
+
+
+class SamplerTrack:
+    """A Stateful sampler's states through one pass, by position: the state after each batch
+    drawn is kept until the batches before it have been yielded."""
+
+    __slots__ = ("points", "stack")
+
+    def __init__(self, stack: SamplerStack, start: int, initial: SamplerPoint) -> None:
+        self.stack = stack
+        # (position, state after drawing it); the first entry is the state before ``start``.
+        self.points: deque[tuple[int, SamplerPoint]] = deque([(start - 1, initial)])
+
+    def drawn(self, position: int, yielded: YieldedPositions) -> None:
+        self.points.append((position, self.stack.point()))
+        last = yielded.prefix - 1
+        points = self.points
+        while len(points) > 1 and points[1][0] <= last:
+            points.popleft()
+
+    def at(self, prefix: int) -> SamplerPoint:
+        """The state after drawing position ``prefix - 1`` (the last yielded of the prefix)."""
+        found = self.points[0][1]
+        for position, point in self.points:
+            if position > prefix - 1:
+                break
+            found = point
+        return found
+
+
+# -- a pass as a checkpoint sees it ---------------------------------------------------------------
 
 
 class PassProgress:
@@ -139,8 +325,11 @@ class PassProgress:
         "num_streams",
         "rng",
         "sample_seed",
+        "sampler",
+        "sampler_track",
         "skipped",
         "streams",
+        "worker_seed",
         "yielded",
     )
 
@@ -163,6 +352,10 @@ class PassProgress:
         # Samples skipped (on_sample_error) in delivered batches: a resumed pass carries them
         # on, and its count and its max_skipped cap continue from them.
         skipped: list[SkippedSample] | None = None,
+        # The base seed of the workers the pass runs on (None without workers).
+        worker_seed: int | None = None,
+        # A Stateful sampler's state where the pass stands (a loaded or between-pass state).
+        sampler: SamplerPoint | None = None,
     ) -> None:
         self.epoch = epoch
         self.rng = rng
@@ -175,6 +368,10 @@ class PassProgress:
         self.next_worker = next_worker
         self.finished = finished
         self.skipped = skipped if skipped is not None else []
+        self.worker_seed = worker_seed
+        self.sampler = sampler
+        # A running pass's Stateful sampler, state by position (``sampler`` is then unused).
+        self.sampler_track: SamplerTrack | None = None
 
     def __repr__(self) -> str:
         return (
@@ -183,11 +380,22 @@ class PassProgress:
             f"finished={self.finished!r}, skipped={len(self.skipped)})"
         )
 
+    def sampler_point(self) -> SamplerPoint | None:
+        track = self.sampler_track
+        if track is not None:
+            return track.at(self.yielded.prefix) if track.stack.stateful else None
+        return self.sampler
+
     def as_dict(self) -> dict[str, Any]:
+        sampler = self.sampler_point()
         return {
             "epoch": self.epoch,
-            "rng": self.rng,
+            "rng": {
+                "torch": encode_rng(self.rng["torch"]),
+                "generators": [encode_rng(state) for state in self.rng["generators"]],
+            },
             "sample_seed": self.sample_seed,
+            "worker_seed": self.worker_seed,
             "iterable": self.iterable,
             "drew_base_seed": self.drew_base_seed,
             "yielded_prefix": self.yielded.prefix,
@@ -195,26 +403,180 @@ class PassProgress:
             "streams": [point.as_dict() for point in self.streams],
             "next_worker": self.next_worker,
             "skipped": [record.as_dict() for record in self.skipped],
+            "sampler": None if sampler is None else sampler.as_dict(),
         }
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> PassProgress:
-        streams = [StreamPoint.from_dict(point) for point in data["streams"]]
-        return cls(
-            epoch=int(data["epoch"]),
-            rng=data["rng"],
-            sample_seed=None if data["sample_seed"] is None else int(data["sample_seed"]),
-            iterable=bool(data["iterable"]),
-            num_streams=len(streams),
-            drew_base_seed=bool(data["drew_base_seed"]),
-            yielded=YieldedPositions(
-                int(data["yielded_prefix"]), {int(p) for p in data["yielded_extra"]}
-            ),
-            streams=streams,
-            next_worker=int(data["next_worker"]),
-            # (Absent from states saved before skipping existed.)
-            skipped=[SkippedSample.from_dict(record) for record in data.get("skipped", ())],
+
+def encode_rng(state: Any) -> str:
+    """An RNG state (a byte tensor) as base64 text. (Loaded states are kept decoded.)"""
+    if isinstance(state, str):
+        return state
+    return base64.b64encode(bytes(state.numpy().tobytes())).decode("ascii")
+
+
+def decode_rng(value: Any, where: str) -> torch.Tensor:
+    """An RNG state as torch takes it, from base64 text (this format), a byte tensor (format
+    /1, or a state that went through torch.save) or a list of bytes."""
+    if isinstance(value, str):
+        try:
+            raw = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raise _corrupt(where, "is not base64 text") from None
+        state = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0)
+    elif isinstance(value, torch.Tensor):
+        state = value
+    elif isinstance(value, list) and all(type(b) is int and 0 <= b < 256 for b in value):
+        state = torch.tensor(value, dtype=torch.uint8)
+    else:
+        raise _corrupt(where, f"is a {type(value).__name__}, not an RNG state (base64 text)")
+    if state.dtype != torch.uint8 or state.dim() != 1:
+        raise _corrupt(where, "is not an RNG state (a 1-d byte tensor)")
+    try:
+        torch.Generator().set_state(state)
+    except RuntimeError as exc:
+        raise _corrupt(where, f"is not a torch RNG state ({exc})") from None
+    return state.clone()
+
+
+class ParsedState(NamedTuple):
+    progress: PassProgress
+    in_progress: bool
+    num_workers: int
+    shard_seed: int | None
+
+
+# Keys of torchdata's StatefulDataLoader state (single- and multi-process iterators).
+_TORCHDATA_KEYS = ("_snapshot", "_num_yielded", "_sampler_iter_state", "_iterator_finished")
+
+
+def parse_state(state: Any) -> ParsedState:
+    """A state from ``state_dict()`` (any format in ``FORMATS``), checked: a state this loader
+    cannot read raises a ValueError naming what is wrong, never resumes somewhere else."""
+    if not isinstance(state, Mapping):
+        raise ValueError(
+            "aioload: load_state_dict expects a state from aioload.DataLoader.state_dict() "
+            f"(a dict), but got a {type(state).__name__}"
         )
+    found = state.get("format")
+    if found not in FORMATS:
+        if found is None and any(key in state for key in _TORCHDATA_KEYS):
+            raise ValueError(
+                "aioload: this is a state of torchdata's StatefulDataLoader; aioload.DataLoader "
+                "has a state format of its own and cannot continue a pass from it. Start the "
+                "epoch over (or finish it with StatefulDataLoader), then checkpoint with "
+                "aioload (see docs/migrating.md)"
+            )
+        if found is None:
+            raise ValueError(
+                "aioload: load_state_dict expects a state from aioload.DataLoader.state_dict(); "
+                "this one has no 'format' key"
+            )
+        raise ValueError(
+            f"aioload: unknown state format {found!r}; this aioload reads {', '.join(FORMATS)} "
+            "(a state from a newer aioload?)"
+        )
+    data = dict(state)
+    version_1 = found == FORMATS[0]
+    rng = _mapping(_field(data, "rng", "state"), "'rng'")
+    generators = _field(rng, "generators", "'rng'")
+    if not isinstance(generators, list):
+        raise _corrupt("'rng'/'generators'", "is not a list")
+    streams_data = _field(data, "streams", "state")
+    if not isinstance(streams_data, list) or not streams_data:
+        raise _corrupt("'streams'", "is not a non-empty list")
+    streams = [
+        StreamPoint.from_dict(point, f"'streams'[{index}]")
+        for index, point in enumerate(streams_data)
+    ]
+    prefix = _count(data, "yielded_prefix", "state")
+    extra_data = _field(data, "yielded_extra", "state")
+    if not isinstance(extra_data, list) or not all(
+        type(p) is int and p > prefix for p in extra_data
+    ):
+        raise _corrupt("'yielded_extra'", "is not a list of positions beyond 'yielded_prefix'")
+    sampler: SamplerPoint | None = None
+    sampler_data = None if version_1 else _field(data, "sampler", "state")
+    if sampler_data is not None:
+        sampler_data = _mapping(sampler_data, "'sampler'")
+        sampler = SamplerPoint(
+            _field(sampler_data, "state", "'sampler'"),
+            _field(sampler_data, "iter_state", "'sampler'"),
+        )
+    skipped_data = data.get("skipped", [])  # (absent from states saved before skipping existed)
+    if not isinstance(skipped_data, list):
+        raise _corrupt("'skipped'", "is not a list")
+    try:
+        skipped = [SkippedSample.from_dict(record) for record in skipped_data]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _corrupt("'skipped'", f"has a malformed record ({exc!r})") from None
+    progress = PassProgress(
+        epoch=_count(data, "epoch", "state"),
+        rng={
+            "torch": decode_rng(_field(rng, "torch", "'rng'"), "'rng'/'torch'"),
+            "generators": [
+                decode_rng(value, f"'rng'/'generators'[{index}]")
+                for index, value in enumerate(generators)
+            ],
+        },
+        sample_seed=_optional_int(data, "sample_seed"),
+        iterable=_flag(data, "iterable", "state"),
+        num_streams=len(streams),
+        drew_base_seed=_flag(data, "drew_base_seed", "state"),
+        yielded=YieldedPositions(prefix, set(extra_data)),
+        streams=streams,
+        next_worker=_count(data, "next_worker", "state"),
+        skipped=skipped,
+        worker_seed=None if version_1 else _optional_int(data, "worker_seed"),
+        sampler=sampler,
+    )
+    in_progress = _flag(data, "in_progress", "state")
+    if version_1 and not in_progress:
+        # Format /1 kept nothing of the workers' datasets between passes.
+        progress.streams = [StreamPoint() for _ in streams]
+    return ParsedState(
+        progress,
+        in_progress,
+        _count(data, "num_workers", "state"),
+        _optional_int(data, "shard_seed"),
+    )
+
+
+def _corrupt(where: str, what: str) -> ValueError:
+    return ValueError(f"aioload: corrupt state: {where} {what}")
+
+
+def _field(data: Mapping[str, Any], key: str, where: str) -> Any:
+    try:
+        return data[key]
+    except KeyError:
+        raise ValueError(f"aioload: corrupt state: {where} has no {key!r} key") from None
+
+
+def _mapping(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise _corrupt(where, f"is a {type(value).__name__}, not a dict")
+    return value
+
+
+def _count(data: Mapping[str, Any], key: str, where: str) -> int:
+    value = _field(data, key, where)
+    if type(value) is not int or value < 0:
+        raise _corrupt(f"{key!r}", f"is {value!r}, not a non-negative integer")
+    return value
+
+
+def _flag(data: Mapping[str, Any], key: str, where: str) -> bool:
+    value = _field(data, key, where)
+    if type(value) is not bool:
+        raise _corrupt(f"{key!r}", f"is {value!r}, not True or False")
+    return value
+
+
+def _optional_int(data: Mapping[str, Any], key: str) -> int | None:
+    value = data.get(key)
+    if value is not None and type(value) is not int:
+        raise _corrupt(f"{key!r}", f"is {value!r}, not an integer or None")
+    return value
 
 
 def generator_states(generators: list[torch.Generator]) -> list[torch.Tensor]:
@@ -269,29 +631,52 @@ def begin_pass(
     rank: int,
     draw_shared_seed: Callable[[], int] | None = None,
     starts_workers: bool = False,
+    points: list[StreamPoint] | None = None,
+    load_points: bool = False,
+    worker_seed: int | None = None,
 ) -> PassStart:
     """Draw a pass's randomness, or replay a checkpointed pass's, and plan what it skips.
 
     The pass's randomness is drawn here, at its start, and nowhere else: the sampler's order
     (torch's samplers draw on their first next(), hence the priming) and the base seed, in
     torch's order (iter(sampler), then the base seed, then sampling). Recording the RNG states
-    just before makes the pass replayable; a resumed pass replays them, and then gives the
-    caller back their own global RNG untouched.
+    just before makes the pass replayable: a resumed pass draws from the recorded states (a
+    state taken between passes records them as the next pass will find them). The generators
+    are the loader's, and go on from there. torch's global RNG is the caller's: if it is where
+    the recorded pass started (the caller restored it with the checkpoint, taken between
+    passes), the pass moves it on as the interrupted run's did; anywhere else (a caller's RNG
+    restored in the middle of a pass is already past the pass's draws), it is given back
+    untouched.
+
+    ``points`` are where each worker's dataset starts the pass (None: untouched); with
+    ``load_points``, the workers load them (a resume, or a kept pool rewound to what the last
+    pass yielded). ``worker_seed`` is the kept pool's base seed, if there is one.
     """
-    # A pass draws a base seed unless it reuses persistent workers; a replayed pass draws from
-    # the recorded RNGs exactly as the original did (workers it must start anyway get their
-    # seed from the caller's RNG afterwards).
+    replaying = resume is not None and in_progress
+    resumed = resume is not None
+    # A pass draws a base seed unless it reuses persistent workers; a resumed pass draws
+    # exactly as the original did (workers it must start anyway get the original workers'
+    # seed, kept in the state).
     replay_draw = resume.drew_base_seed if resume is not None else not reuse_workers
+    stack = None if iterable else SamplerStack(index_sampler)
+    sampler_load: SamplerPoint | None = None
+    if resume is not None and stack is not None:
+        sampler_load = resume.sampler
     snapshot: dict[str, Any] = (
         resume.rng
         if resume is not None
         else {"torch": torch.get_rng_state(), "generators": generator_states(generators)}
     )
-    callers_rng = torch.get_rng_state() if resume is not None else None
+    callers_rng = torch.get_rng_state() if resumed else None
     try:
         if resume is not None:
             torch.set_rng_state(snapshot["torch"])
             set_generator_states(generators, snapshot["generators"])
+        if stack is not None:
+            stack.load(sampler_load)
+        initial = stack.point() if stack is not None else None
+        if sampler_load is not None:
+            initial = sampler_load
         # An IterDataPipe's shared seed is drawn where torch's iterator draws it: before the
         # sampler when a new iterator starts, after it when persistent workers are reused,
         # and once more after the base seed when workers start (torch's iterator resets
@@ -299,62 +684,93 @@ def begin_pass(
         shared_seed: int | None = None
         if draw_shared_seed is not None and replay_draw:
             shared_seed = draw_shared_seed()
-        sampler_iter = batches_of(index_sampler)
+        raw = (
+            stack.batches(sampler_load if replaying else None)
+            if stack is not None
+            else batches_of(index_sampler)
+        )
         if draw_shared_seed is not None and not replay_draw:
             shared_seed = draw_shared_seed()
         base_seed = draw_base_seed() if replay_draw else None
         if draw_shared_seed is not None and replay_draw and starts_workers:
             draw_shared_seed()
-        sampler_iter = _primed(sampler_iter)
+        progress = PassProgress(
+            epoch=epoch,
+            rng=snapshot,
+            sample_seed=None,
+            iterable=iterable,
+            num_streams=num_streams,
+            drew_base_seed=replay_draw,
+        )
+        start = 0
+        skip: YieldedPositions | None = None
+        if replaying and resume is not None:
+            if iterable:
+                # Positions mean nothing to an IterableDataset; only the count goes on.
+                progress.yielded = YieldedPositions(len(resume.yielded))
+                start = len(resume.yielded)
+            else:
+                progress.yielded = resume.yielded.copy()
+                skip = resume.yielded
+                if sampler_load is not None:
+                    # A Stateful sampler goes on from its loaded state: its batches are
+                    # numbered from the first position not in the yielded prefix.
+                    start = resume.yielded.prefix
+        if stack is not None and not stack.fast:
+            assert initial is not None
+            progress.sampler_track = SamplerTrack(stack, start, initial)
+            raw = _tracked(raw, progress.sampler_track, progress.yielded, start)
+        sampler_iter = _primed(raw)
         if base_seed is None and not reuse_workers:
-            # Workers must start, but the replayed pass drew no seed (it had reused its
-            # workers): draw one without moving the generators the next passes' order comes
-            # from. (A draw from the global RNG is undone with the caller's RNG below.)
-            saved = generator_states(generators)
-            base_seed = draw_base_seed()
-            set_generator_states(generators, saved)
+            if resume is not None and resume.worker_seed is not None:
+                # The interrupted run's workers lived on: start these with their seed.
+                base_seed = resume.worker_seed
+            else:
+                # Workers must start, but the replayed pass drew no seed (it had reused its
+                # workers) and the state has none: draw one without moving the RNGs the
+                # next passes draw from.
+                saved_rng = torch.get_rng_state()
+                saved = generator_states(generators)
+                base_seed = draw_base_seed()
+                set_generator_states(generators, saved)
+                torch.set_rng_state(saved_rng)
     finally:
-        if callers_rng is not None:
+        if callers_rng is not None and not torch.equal(callers_rng, snapshot["torch"]):
             torch.set_rng_state(callers_rng)
     if reuse_workers:
         base_seed = None
     if sample_seed is None and base_seed is not None:
         sample_seed = base_seed
+    progress.sample_seed = sample_seed if seed_per_sample else None
+    progress.worker_seed = base_seed if base_seed is not None else worker_seed
 
-    progress = PassProgress(
-        epoch=epoch,
-        rng=snapshot,
-        sample_seed=sample_seed if seed_per_sample else None,
-        iterable=iterable,
-        num_streams=num_streams,
-        drew_base_seed=replay_draw,
-    )
-    skip: YieldedPositions | None = None
-    if resume is not None and in_progress:
-        if iterable:
-            progress.streams = [point.copy() for point in resume.streams]
+    if points is not None:
+        progress.streams = [point.copy() for point in points]
+    if resume is not None:
+        progress.streams = [point.copy() for point in resume.streams]
+        load_points = True
+    if replaying and resume is not None:
+        if len(resume.streams) == num_streams:
             progress.next_worker = resume.next_worker
-            # Positions mean nothing to an IterableDataset; only the count goes on.
-            progress.yielded = YieldedPositions(len(resume.yielded))
-        else:
-            progress.yielded = resume.yielded.copy()
-            skip = resume.yielded
         # The skips so far go on: the list, its count and the cap.
         progress.skipped = list(resume.skipped)
+    if len(progress.streams) != num_streams:
+        # A map-style state with another num_workers (the loader checked it holds no
+        # dataset states): the workers start untouched.
+        progress.streams = [StreamPoint() for _ in range(num_streams)]
     plans = [
         PassPlan(
             epoch=epoch,
             sample_seed=progress.sample_seed,
             samples_seen=point.samples_seen,
-            has_state=point.has_state,
-            dataset_state=point.state,
+            dataset_state=point.dataset_state if load_points else None,
+            iter_state=point.iter_state if load_points else None,
             ended=point.ended,
             stream_id=rank * num_streams + worker_id,
             shared_seed=shared_seed,
         )
         for worker_id, point in enumerate(progress.streams)
     ]
-    start = len(progress.yielded) if iterable else 0
     return PassStart(
         batches=numbered_batches(sampler_iter, skip, start),
         base_seed=base_seed,
@@ -365,16 +781,19 @@ def begin_pass(
     )
 
 
+def _sequential(batch_sampler: BatchSampler) -> bool:
+    return (
+        type(batch_sampler.sampler) is SequentialSampler
+        and type(batch_sampler.batch_size) is int
+        and batch_sampler.batch_size > 0
+    )
+
+
 def batches_of(index_sampler: Iterable[Any]) -> Iterator[Any]:
     """``iter(index_sampler)``; for torch's own ``BatchSampler`` over its own
     ``SequentialSampler`` (exactly those types: a subclass may change either's order), the
     same batches as ``IndexRange`` bounds instead of lists of ints (see ``IndexRange``)."""
-    if (
-        type(index_sampler) is BatchSampler
-        and type(index_sampler.sampler) is SequentialSampler
-        and type(index_sampler.batch_size) is int
-        and index_sampler.batch_size > 0
-    ):
+    if type(index_sampler) is BatchSampler and _sequential(index_sampler):
         return _sequential_batches(index_sampler)
     return iter(index_sampler)
 
@@ -389,6 +808,23 @@ def _sequential_batches(batch_sampler: BatchSampler) -> Iterator[IndexRange]:
     stop = count - count % size if batch_sampler.drop_last else count
     for start in range(0, stop, size):
         yield IndexRange(start, min(start + size, count))
+
+
+def _tracked(
+    raw: Iterator[Any], track: SamplerTrack, yielded: YieldedPositions, start: int
+) -> Iterator[Any]:
+    """The sampler's batches, its state taken after each one drawn (only if it turns out
+    Stateful: its iterator is known once the first batch is drawn)."""
+    position = start
+    for indices in raw:
+        if not track.stack.stateful:
+            # Not Stateful after all: the rest passes through untouched.
+            yield indices
+            yield from raw
+            return
+        track.drawn(position, yielded)
+        position += 1
+        yield indices
 
 
 def numbered_batches(

@@ -7,8 +7,9 @@ Three groups, read top to bottom as one task travels:
    :class:`FreeSlabs` hands back shared-memory slabs the consumer let go of.
 2. Worker -> parent: exactly one :class:`Reply` per task. Its ``result`` says what came of it
    (a batch in a slab, a pickled batch, a batch by value, an error, or the end of an
-   IterableDataset stream); an IterableDataset worker also says where its stream stands after
-   the batch (``stream``), so a checkpoint taken after the batch is yielded resumes exactly there.
+   IterableDataset stream); the worker of an IterableDataset or of a Stateful dataset also says
+   where its dataset stands after the task (``stream``), so a checkpoint taken after the batch
+   is yielded resumes exactly there.
 3. Backend -> engine: a backend turns replies into :class:`Answer` events (the batch decoded,
    stale passes' replies dropped) and reports a worker that died as :class:`WorkerLost`. The
    engine never sees transport details (slabs, sockets, object refs).
@@ -78,12 +79,21 @@ ToWorker = Reset | Task | FreeSlabs
 
 
 class StreamState(NamedTuple):
-    """Where an IterableDataset worker's stream stood after a batch."""
+    """Where a worker's dataset stood after a task (torchdata's Stateful protocol): what its
+    ``state_dict()`` and its iterator's returned, and how far an IterableDataset's stream had
+    gone. Sent with every reply of an IterableDataset's worker, and of a map-style one whose
+    dataset is Stateful, so that a checkpoint taken after the batch is yielded resumes there."""
 
     samples_seen: int
-    # The dataset's state_dict(), or None for a dataset without one (resumed by fast-forward).
+    # The dataset's state_dict(): None for a dataset without one (an IterableDataset is then
+    # resumed by fast-forward), or one that is its own iterator (its state is iter_state).
     state: Any
     ended: bool
+    # The state_dict() of the iterator iter(dataset) returned (an IterableDataset's), if it has
+    # one; loaded after iter() on resume.
+    iter_state: Any = None
+    # iter(dataset) returned the dataset itself.
+    iter_is_dataset: bool = False
 
 
 class SlabBatch(NamedTuple):
@@ -240,12 +250,14 @@ class PassPlan(NamedTuple):
     epoch: int = 0
     # seed_per_sample's base seed; None when seed_per_sample is off.
     sample_seed: int | None = None
-    # IterableDataset resume: samples this stream had yielded at the checkpoint. With
-    # has_state, dataset_state is loaded before iter(dataset) and the stream goes on from
-    # there; without, the stream is fast-forwarded by drawing and dropping that many samples.
+    # IterableDataset resume: samples this stream had yielded at the checkpoint. A Stateful
+    # dataset (or iterator) goes on from its loaded state; any other stream is fast-forwarded
+    # by drawing and dropping that many samples.
     samples_seen: int = 0
-    has_state: bool = False
+    # States to load (None: nothing to load), as StatefulDataLoader loads them: the dataset's
+    # before iter(dataset) (a map-style dataset's before its first fetch), the iterator's after.
     dataset_state: Any = None
+    iter_state: Any = None
     # The stream had already run dry when the checkpoint was taken.
     ended: bool = False
     # Which stream this is for seed_per_sample on an IterableDataset: the global worker id

@@ -352,12 +352,10 @@ class AsyncFetcher(BaseFetcher):
         if self.ended:
             return
         plan = self.plan
-        if plan.has_state:
-            self.dataset.load_state_dict(plan.dataset_state)
-            self.stream = self.dataset.__aiter__()
+        self.load_dataset_state()
+        if self.opened(self.dataset.__aiter__()):
             self.samples_seen = plan.samples_seen
             return
-        self.stream = self.dataset.__aiter__()
         try:
             for _ in range(plan.samples_seen):
                 try:

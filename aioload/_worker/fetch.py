@@ -9,9 +9,10 @@ cannot:
   from ``(base_seed, epoch, sample index)``, so random augmentations depend on the sample and
   the epoch only, not on which worker fetched it, in what order, or whether the run was
   resumed;
-- resume of an IterableDataset: a worker's stream is restored from the dataset's own
-  ``state_dict`` (or fast-forwarded) before the pass starts, and its state after every batch is
-  reported so that a checkpoint can name exactly what was yielded.
+- resume, with torchdata's Stateful protocol: a worker's dataset (and an IterableDataset's
+  iterator) is restored from its own ``state_dict`` (a stream without one is fast-forwarded)
+  before the pass starts, and its state after every batch is reported (``point``) so that a
+  checkpoint can name exactly what was yielded.
 
 What a pass needs to know up front arrives as a ``PassPlan``, one per worker and pass.
 
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 
 from .._wire import slabs as _transport
-from .._wire.messages import AllSkipped, Batch, IndexRange, PassPlan
+from .._wire.messages import AllSkipped, Batch, IndexRange, PassPlan, StreamState
 from ..stats import SkippedSample
 from . import stacking as _stacking
 
@@ -52,6 +53,7 @@ __all__ = [
     "RngStates",
     "SamplePolicy",
     "WithSkips",
+    "is_stateful",
     "sample_seed",
 ]
 
@@ -287,8 +289,10 @@ class BaseFetcher:
         self.seeded = plan.sample_seed is not None
         self.samples_seen = 0
         self.ended = plan.ended
-        # Whether the dataset can report its position (only asked of iterable datasets).
-        self.stateful = self.iterable and _has_state_dict(dataset)
+        # torchdata's Stateful protocol: the dataset's state_dict()/load_state_dict(), and
+        # (an IterableDataset's) those of the iterator iter(dataset) returns, once it is made.
+        self.dataset_stateful = is_stateful(dataset)
+        self.iter_stateful = False
         self.stream: Any = None
         self.policy = policy if policy is not None else _NO_POLICY
         # The keys, samples and skip records of the batch collated last, kept in a worker
@@ -299,10 +303,43 @@ class BaseFetcher:
 
         self.keep_last = get_worker_info() is not None
         self._last: tuple[list[Any], list[Any], list[SkippedSample]] | None = None
+        if not self.iterable:
+            # A map-style dataset's checkpointed state goes in before its first fetch.
+            self.load_dataset_state()
 
-    def state(self) -> Any:
-        """The dataset's state now (after the batch just fetched), for a checkpoint."""
-        return self.dataset.state_dict() if self.stateful else None
+    # -- checkpoints (torchdata's Stateful protocol) -------------------------------------------
+
+    def load_dataset_state(self) -> None:
+        """Load the plan's dataset state (an IterableDataset's before ``iter(dataset)``)."""
+        if self.plan.dataset_state is not None:
+            _load_state(self.dataset, self.plan.dataset_state, "dataset")
+
+    def opened(self, stream: Any) -> bool:
+        """``stream`` (what ``iter(dataset)`` just returned) is this pass's: its checkpointed
+        state goes in now, after ``iter()``, as StatefulDataLoader loads it. Returns whether
+        the stream resumes from loaded states (else it is fast-forwarded)."""
+        self.stream = stream
+        self.iter_stateful = is_stateful(stream)
+        if self.plan.iter_state is not None:
+            _load_state(stream, self.plan.iter_state, "dataset's iterator")
+        return self.plan.dataset_state is not None or self.plan.iter_state is not None
+
+    def point(self) -> StreamState | None:
+        """Where the dataset stands now (after the task just run), for a checkpoint: None for
+        a map-style dataset that is not Stateful."""
+        if self.iterable:
+            stream = self.stream
+            same = stream is self.dataset
+            return StreamState(
+                self.samples_seen,
+                self.dataset.state_dict() if self.dataset_stateful and not same else None,
+                self.ended,
+                stream.state_dict() if self.iter_stateful else None,
+                same,
+            )
+        if self.dataset_stateful:
+            return StreamState(0, self.dataset.state_dict(), False)
+        return None
 
     def seed_of(self, key: Any) -> int:
         """seed_per_sample's seed for the sample named ``key`` in this pass."""
@@ -471,12 +508,10 @@ class Fetcher(BaseFetcher):
             else None
         )
         if self.iterable and not self.ended:
-            if plan.has_state:
-                dataset.load_state_dict(plan.dataset_state)
-                self.stream = iter(dataset)
+            self.load_dataset_state()
+            if self.opened(iter(dataset)):
                 self.samples_seen = plan.samples_seen
             else:
-                self.stream = iter(dataset)
                 # Fast-forward: draw (seeded as before) and drop what the checkpointed run had
                 # already yielded, so the stream and its count are where they were.
                 saved = RngStates() if self.restore_rng else None
@@ -712,7 +747,17 @@ class Fetcher(BaseFetcher):
         return batch
 
 
-def _has_state_dict(dataset: Any) -> bool:
-    return callable(getattr(dataset, "state_dict", None)) and callable(
-        getattr(dataset, "load_state_dict", None)
+def is_stateful(obj: Any) -> bool:
+    """torchdata's ``Stateful`` protocol: ``state_dict()`` and ``load_state_dict()``."""
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
     )
+
+
+def _load_state(target: Any, state: Any, what: str) -> None:
+    if not is_stateful(target):
+        raise ValueError(
+            f"aioload: the checkpoint holds a state for the {what} ({type(target).__name__}), "
+            "which has no state_dict()/load_state_dict(): resume with the same dataset"
+        )
+    target.load_state_dict(state)

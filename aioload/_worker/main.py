@@ -282,6 +282,8 @@ class WorkerStep:
         self.fetch_error: RemoteError | None = None
         # This pass's IterableDataset stream has run dry.
         self.iteration_end = False
+        # Where the dataset stood after the last task run (see ``point_of``).
+        self.point: StreamState | None = None
         # An async worker_init_fn's coroutine, awaited on the worker's loop before any task.
         self.async_init: Any = None
         self.dataset: Any = None
@@ -347,6 +349,8 @@ class WorkerStep:
     def preamble(self) -> Failure | StreamEnded | None:
         """The answer to a task that needs no fetch: the worker's setup or this pass's stream
         failed, or its IterableDataset stream has run dry. None: fetch it."""
+        if self.init_error is not None or self.fetch_error is not None:
+            self.point = None
         error = self.init_error or self.fetch_error
         if error is not None:
             return Failure(error)
@@ -382,21 +386,27 @@ class WorkerStep:
         except Exception:
             self.fetch_error = RemoteError(self.config.worker_id)
 
-    def new_async_pass(self, plan: PassPlan) -> AsyncFetcher:
+    def new_async_pass(self, plan: PassPlan) -> AsyncFetcher | None:
         from .async_fetch import AsyncFetcher
 
         self.fetch_error = None
         self.iteration_end = False
-        fetcher = AsyncFetcher(
-            self.config.dataset_kind,
-            self.dataset,
-            self.config.auto_collation,
-            self.collate_fn,
-            self.config.drop_last,
-            plan,
-            self.config.worker_concurrency,
-            policy=self.config.sample_policy,
-        )
+        self.fetcher = None
+        try:
+            # (A map-style dataset's checkpointed state is loaded here: it may fail.)
+            fetcher = AsyncFetcher(
+                self.config.dataset_kind,
+                self.dataset,
+                self.config.auto_collation,
+                self.collate_fn,
+                self.config.drop_last,
+                plan,
+                self.config.worker_concurrency,
+                policy=self.config.sample_policy,
+            )
+        except Exception:
+            self.fetch_error = RemoteError(self.config.worker_id)
+            return None
         self.fetcher = fetcher
         return fetcher
 
@@ -408,6 +418,8 @@ class WorkerStep:
             with contextlib.suppress(Exception):
                 await previous.aclose()
         fetcher = self.new_async_pass(plan)
+        if fetcher is None:
+            return
         try:
             await fetcher.start()
         except Exception:
@@ -438,9 +450,12 @@ class WorkerStep:
             if not self.iterable:
                 return self.error()
             self.iteration_end = True
+            self.point = self._point_or_none()
             return StreamEnded()
         except Exception:
-            return self.error()
+            failure = self.error()
+            self.point = self._point_or_none()
+            return failure
         # No await from here on: the collate is not interrupted by a cancellation.
         return self.finish(lambda: active.collate(samples))
 
@@ -463,20 +478,36 @@ class WorkerStep:
                     # waits at most this long for the next one.
                     took = time.perf_counter() - started
                     self.slabs.batch_s = took - (self.slabs.waited_s - waited)
-            stream = None
-            if self.iterable:
-                fetcher = self.fetcher
-                stream = StreamState(fetcher.samples_seen, fetcher.state(), fetcher.ended)
+            # Where the dataset stands now (its state_dict() is the user's code: a failure
+            # there is this task's).
+            stream = self.point = self.fetcher.point()
         except StopIteration:
             self.release(arena)
             if not self.iterable:  # only an IterableDataset may run dry
                 return self.error()
             self.iteration_end = True
+            # The state after the stream ran dry is what the next pass starts from.
+            self.point = self._point_or_none()
             return StreamEnded()
         except Exception:
             self.release(arena)
-            return self.error()
+            failure = self.error()
+            # A failed task may have moved the dataset on too (a random draw).
+            self.point = self._point_or_none()
+            return failure
         return Produced(data, stream, arena)
+
+    def _point_or_none(self) -> StreamState | None:
+        try:
+            return None if self.fetcher is None else self.fetcher.point()
+        except Exception:
+            return None
+
+    def point_of(self, result: StepResult) -> StreamState | None:
+        """Where the dataset stood after the task that gave ``result`` (for its reply)."""
+        if isinstance(result, Produced):
+            return result.stream
+        return self.point
 
     def _arena(self) -> Any:
         # Every collate gets one, the user's own too: the default_collate it may call stacks
@@ -633,12 +664,9 @@ class _ProcessWorker:
         stream = None
         wire: SlabBatch | PickledBatch | Failure | StreamEnded
         try:
-            if isinstance(result, Produced):
-                # Sent even if the encoding fails: the stream did move past these samples.
-                stream = result.stream
-                wire = self._encode(result, fds)
-            else:
-                wire = result
+            # Sent even if the encoding fails: the stream did move past these samples.
+            stream = self.step.point_of(result)
+            wire = self._encode(result, fds) if isinstance(result, Produced) else result
             # Slabs this worker retired ride along, so the parent can unmap them too.
             reply = Reply(
                 task.task_id,

@@ -598,6 +598,6 @@ def test_in_process_stream_state_is_a_snapshot() -> None:
     iterator = iter(loader)
     next(iterator)
     state = loader.state_dict()
-    before = state["streams"][0]["state"]["position"]
+    before = state["streams"][0]["dataset_state"]["position"]
     next(iterator)
-    assert state["streams"][0]["state"]["position"] == before
+    assert state["streams"][0]["dataset_state"]["position"] == before
