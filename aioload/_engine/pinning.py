@@ -26,15 +26,26 @@ import os
 import queue
 import threading
 import time
+import warnings
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+import torch.utils.data
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
 from .._wire.messages import Batch, Outcome, Raised
 from ..stats import PassStats
 
-__all__ = ["CudaTransfer", "PinStage", "PinTransfer", "Transfer", "make_transfer"]
+__all__ = [
+    "CudaTransfer",
+    "PinPlan",
+    "PinStage",
+    "PinTransfer",
+    "Transfer",
+    "make_transfer",
+    "torch_pin_plan",
+]
 
 
 class _Staged(NamedTuple):
@@ -135,19 +146,94 @@ def _record_stream(data: Any, stream: Any) -> None:
             _record_stream(value, stream)
 
 
-def make_transfer(pin_memory: bool, device: torch.device | None) -> Transfer | None:
+@dataclass(frozen=True)
+class PinPlan:
+    """What the installed torch's DataLoader iterator makes of ``pin_memory`` and
+    ``pin_memory_device``: whether it pins, for which device, and what it warns."""
+
+    pin: bool
+    device: str | None = None
+    warnings: tuple[tuple[type[Warning], str], ...] = ()
+
+    def warn(self, stacklevel: int) -> None:
+        """Emit torch's warnings, from the caller's caller's frame up ``stacklevel``."""
+        for category, message in self.warnings:
+            warnings.warn(message, category, stacklevel=stacklevel + 1)
+
+
+def torch_pin_plan(pin_memory: bool, pin_memory_device: str) -> PinPlan:
+    """Ask the installed torch what a pass pins, rather than copy one release's rules.
+
+    The rules differ between releases: up to torch 2.8 a pass pins for CUDA when CUDA is
+    available, or for ``pin_memory_device`` when one is named, and says nothing when it cannot;
+    from 2.9 on ``pin_memory_device`` is deprecated, the current accelerator is used, and a
+    machine without one gets "'pin_memory' argument is set as true but no accelerator is
+    found" (a CUDA build on a GPU-less machine included) and unpinned batches. torch decides
+    this in its iterator's base ``__init__``, so that is run on an empty loader of the same two
+    arguments (with a generator of its own: it draws a seed, which must not come from the
+    global RNG). Should a future torch refuse the probe, torch 2.9's rules apply.
+    """
+    if not pin_memory and not pin_memory_device:
+        return PinPlan(pin=False)
+    try:
+        nothing: Any = []
+        probe: torch.utils.data.DataLoader[Any] = torch.utils.data.DataLoader(
+            nothing,
+            pin_memory=pin_memory,
+            pin_memory_device=pin_memory_device,
+            generator=torch.Generator(),
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            iterator = torch.utils.data.dataloader._BaseDataLoaderIter(probe)
+        device = iterator._pin_memory_device
+        return PinPlan(
+            pin=bool(iterator._pin_memory),
+            device=str(device) if device else None,
+            warnings=tuple((w.category, str(w.message)) for w in caught),
+        )
+    except Exception:
+        return _accelerator_pin_plan(pin_memory, pin_memory_device)
+
+
+def _accelerator_pin_plan(pin_memory: bool, pin_memory_device: str) -> PinPlan:
+    """torch 2.9's rules: the current accelerator, if one is usable."""
+    said: list[tuple[type[Warning], str]] = []
+    if pin_memory and pin_memory_device:
+        said.append(
+            (
+                UserWarning,
+                "pin_memory_device is deprecated, the current accelerator will be used as the "
+                f"device,ignore pin_memory_device='{pin_memory_device}'.",
+            )
+        )
+    available = pin_memory and torch.accelerator.is_available()
+    if pin_memory and not available:
+        said.append(
+            (
+                UserWarning,
+                "'pin_memory' argument is set as true but no accelerator is found, "
+                "then device pinned memory won't be used.",
+            )
+        )
+    accelerator = torch.accelerator.current_accelerator() if available else None
+    if accelerator is None or accelerator.type == "mps":
+        return PinPlan(pin=False, warnings=tuple(said))
+    return PinPlan(pin=True, device=accelerator.type, warnings=tuple(said))
+
+
+def make_transfer(plan: PinPlan, device: torch.device | None) -> Transfer | None:
     """The stage a loader needs, or None when batches go to the consumer as they arrive.
 
-    As in torch 2.13, pinning targets the current accelerator (``pin_memory_device`` is
-    deprecated there and ignored).
+    ``device`` (aioload's, checked by the loader: a usable accelerator) copies there, pinned
+    first for CUDA; without it, ``pin_memory`` pins as the installed torch would (``plan``).
     """
     if device is not None and device.type == "cuda":
         return CudaTransfer(device, pin=True)
     if device is not None and device.type != "cpu":
         return _GenericDeviceTransfer(device)
-    accelerator = torch.accelerator.current_accelerator() if pin_memory else None
-    if accelerator is not None and accelerator.type != "mps":
-        return PinTransfer(accelerator.type)
+    if plan.pin:
+        return PinTransfer(plan.device)
     return None
 
 

@@ -2,30 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
 import torch.utils.data._utils.worker as torch_worker
 
 __all__ = ["WorkerInfo", "get_worker_info"]
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerInfo(torch_worker.WorkerInfo):
-    """Information about the current aioload worker process.
+class _GlobalPlace:
+    """The worker's place among all workers of all ranks (``rank`` and ``world_size`` are
+    WorkerInfo's own fields)."""
 
-    A subclass of torch's WorkerInfo with the same fields (``id``, ``num_workers``, ``seed``,
-    ``dataset``); inside an aioload worker, ``torch.utils.data.get_worker_info()`` returns the
-    same object, so datasets that shard themselves by worker work unchanged.
-
-    Under ``torch.distributed`` it also carries ``rank`` and ``world_size``, and the worker's
-    place among all workers of all ranks: ``global_id`` (``rank * num_workers + id``) and
-    ``global_num_workers`` (``world_size * num_workers``). An IterableDataset that shards by
-    ``global_id`` gives every sample to exactly one worker of one rank. Without
-    ``torch.distributed`` they equal ``id`` and ``num_workers`` (rank 0 of 1).
-    """
-
-    rank: int = 0
-    world_size: int = 1
+    __slots__ = ()
+    id: int
+    num_workers: int
+    rank: int
+    world_size: int
 
     @property
     def global_id(self) -> int:
@@ -34,6 +27,59 @@ class WorkerInfo(torch_worker.WorkerInfo):
     @property
     def global_num_workers(self) -> int:
         return self.world_size * self.num_workers
+
+
+_DOC = """Information about the current aioload worker process.
+
+    A subclass of torch's WorkerInfo with the same fields (``id``, ``num_workers``, ``seed``,
+    ``dataset``, and whatever else the installed torch gives it); inside an aioload worker,
+    ``torch.utils.data.get_worker_info()`` returns the same object, so datasets that shard
+    themselves by worker work unchanged.
+
+    Under ``torch.distributed`` it also carries ``rank`` and ``world_size``, and the worker's
+    place among all workers of all ranks: ``global_id`` (``rank * num_workers + id``) and
+    ``global_num_workers`` (``world_size * num_workers``). An IterableDataset that shards by
+    ``global_id`` gives every sample to exactly one worker of one rank. Without
+    ``torch.distributed`` they equal ``id`` and ``num_workers`` (rank 0 of 1).
+    """
+
+# torch's WorkerInfo is a frozen dataclass from torch 2.12 on (with ``rng`` and
+# ``worker_method`` beside the four fields), and a plain class whose ``__init__(**kwargs)`` sets
+# the attributes and then locks them before that. The subclass takes the same shape as its base.
+if TYPE_CHECKING or dataclasses.is_dataclass(torch_worker.WorkerInfo):
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class WorkerInfo(_GlobalPlace, torch_worker.WorkerInfo):
+        __doc__ = _DOC
+
+        rank: int = 0
+        world_size: int = 1
+
+else:
+
+    class WorkerInfo(_GlobalPlace, torch_worker.WorkerInfo):
+        __doc__ = _DOC
+
+        def __init__(
+            self,
+            *,
+            id: int,
+            num_workers: int,
+            seed: int,
+            dataset: Any,
+            rank: int = 0,
+            world_size: int = 1,
+            **more: Any,
+        ) -> None:
+            super().__init__(
+                id=id,
+                num_workers=num_workers,
+                seed=seed,
+                dataset=dataset,
+                rank=rank,
+                world_size=world_size,
+                **more,
+            )
 
 
 _worker_info: WorkerInfo | None = None

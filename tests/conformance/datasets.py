@@ -56,6 +56,7 @@ class WorkerReport(Dataset[dict[str, Any]]):
             "random": random.random(),
             "numpy": int(np.random.randint(0, 2**31)),
             "pid": os.getpid(),
+            "ppid": os.getppid(),
             "init_mark": os.environ.get("CONFORMANCE_INIT_MARK", ""),
         }
 

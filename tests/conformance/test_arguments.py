@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import multiprocessing
+import os
 from typing import Any
 
 import pytest
@@ -146,9 +147,21 @@ def test_unlocked_attributes_can_be_set(loader_cls: type[Any]) -> None:
     assert [b for b in loader][:2] == [[0, 1], [2, 3]]
 
 
+def _usable_cpus() -> int:
+    """The CPUs torch's worker-count check counts: ``torch._utils.cpu_count()`` from torch
+    2.12 on, the same count (the affinity mask, else ``os.cpu_count()``) written out before."""
+    count = getattr(torch._utils, "cpu_count", None)
+    if count is not None:
+        return int(count() or 1)
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def test_too_many_workers_warns_like_torch(loader_cls: type[Any], reference: Reference) -> None:
     """torch warns at construction when num_workers exceeds the usable CPUs."""
-    many = (torch._utils.cpu_count() or 1) + 3  # type: ignore[attr-defined]
+    many = _usable_cpus() + 3
 
     def scenario(cls: type[Any]) -> Any:
         return outcome(lambda: cls(MAP, num_workers=many))

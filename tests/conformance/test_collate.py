@@ -123,7 +123,8 @@ def test_batch_tensors_report_is_shared(
 def test_pin_memory_without_an_accelerator(
     num_workers: int, loader_cls: type[Any], reference: Reference, request: pytest.FixtureRequest
 ) -> None:
-    """torch's warning, once per pass, and plain (unpinned) batches; a batch type's own
+    """torch's warning (from torch 2.9 on; none before), once per pass, and plain (unpinned)
+    batches, also from a CUDA build on a machine without a GPU; a batch type's own
     pin_memory() is not called."""
     if num_workers:  # leak checks cost ~0.5 s; only workers can leak
         request.getfixturevalue("no_leaks")
@@ -139,27 +140,36 @@ def test_pin_memory_without_an_accelerator(
             collate_fn=collate_custom_pin,
         )
         custom = outcome(lambda: list(custom_loader))
+        raised = [None if r is None else (r.type, r.message) for r in (run.raised, custom.raised)]
         return {
-            "batches": [plain(b) for b in run.value],
-            "pinned": [b.is_pinned() for b in run.value],
+            "raised": raised,
+            "batches": [plain(b) for b in run.value or []],
+            "pinned": [b.is_pinned() for b in run.value or []],
             "warnings": run.warnings,
-            "custom_types": [type(b).__name__ for b in custom.value],
-            "custom_pinned": [b.pinned for b in custom.value],
-            "custom_data": [b.data.tolist() for b in custom.value],
+            "custom_types": [type(b).__name__ for b in custom.value or []],
+            "custom_pinned": [b.pinned for b in custom.value or []],
+            "custom_data": [b.data.tolist() for b in custom.value or []],
         }
 
     got = reference.run(scenario)
     assert got == reference(scenario)
-    assert got["warnings"] and "no accelerator is found" in got["warnings"][0]
+    assert got["raised"] == [None, None]
+    assert len(got["warnings"]) <= 1  # what the installed torch says, once
     assert got["pinned"] == [False] * 3
 
 
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="checks the no-accelerator path")
-def test_pin_memory_device_is_deprecated(loader_cls: type[Any], reference: Reference) -> None:
-    def scenario(cls: type[Any]) -> list[str]:
-        loader = cls(Indices(2), pin_memory=True, pin_memory_device="cuda")
-        return outcome(lambda: list(loader)).warnings
+@pytest.mark.parametrize("pin_memory", [True, False])
+def test_pin_memory_device(pin_memory: bool, loader_cls: type[Any], reference: Reference) -> None:
+    """``pin_memory_device`` as the installed torch takes it: deprecated and ignored, with a
+    warning, from torch 2.9 on; up to 2.8 the device to pin for (here, where there is none, the
+    pass fails as torch's does), with a warning when ``pin_memory`` is off."""
+
+    def scenario(cls: type[Any]) -> dict[str, Any]:
+        loader = cls(Indices(2), pin_memory=pin_memory, pin_memory_device="cuda")
+        run = outcome(lambda: [plain(b) for b in loader])
+        raised = None if run.raised is None else (run.raised.type, run.raised.message)
+        return {"value": run.value, "raised": raised, "warnings": run.warnings}
 
     got = reference.run(scenario)
     assert got == reference(scenario)
-    assert any("pin_memory_device is deprecated" in text for text in got)

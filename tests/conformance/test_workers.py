@@ -191,6 +191,34 @@ def test_spawn_and_forkserver(
     assert {s["init_mark"] for s in got} == {"init-0-of-1"}
 
 
+def test_forkserver_as_the_default_start_method(
+    loader_cls: type[Any], reference: Reference, stop_mp_helpers: None
+) -> None:
+    """Python 3.14 makes forkserver the default start method on Linux, so a loader given no
+    ``multiprocessing_context`` starts its workers with it there. Made the default for this
+    test, it stands for that: the workers are the fork server's children, not this process's,
+    and their info, seeds, draws and worker_init_fn are torch's."""
+
+    def scenario(cls: type[Any]) -> dict[str, Any]:
+        previous = multiprocessing.get_start_method(allow_none=True)
+        multiprocessing.set_start_method("forkserver", force=True)
+        try:
+            loader = _report_loader(cls, worker_init_fn=mark_worker)
+            samples = list(loader)
+            del loader
+        finally:
+            multiprocessing.set_start_method(previous, force=True)
+        return {
+            "samples": _comparable(samples),
+            "forked_here": any(s["ppid"] == os.getpid() for s in samples),
+        }
+
+    got = reference.run(scenario)
+    assert got == reference(scenario)
+    assert not got["forked_here"]
+    assert {s["init_mark"] for s in got["samples"]} == {"init-0-of-2", "init-1-of-2"}
+
+
 def test_dataset_holding_a_multiprocessing_event_under_spawn(
     loader_cls: type[Any],
     reference: Reference,

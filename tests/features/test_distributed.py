@@ -1,5 +1,6 @@
-"""Sharding across ranks with real ``torch.distributed`` (gloo on localhost): 2 and 3 ranks,
-started with ``torch.multiprocessing.spawn``, each running its own aioload loader with workers.
+"""Sharding across ranks with real ``torch.distributed`` (gloo on localhost): 2 ranks, started
+with ``torch.multiprocessing.spawn``, each running its own aioload loader with workers, sharded
+by ``shard="auto"``; without it, every rank reads the whole dataset, as with torch's loader.
 
 Each rank writes what it saw to a JSON file; the assertions run here, in the test process.
 The ranks are started from a child process (``python -m tests.features.test_distributed``), not from
@@ -55,14 +56,16 @@ def _rank_main(rank: int, world_size: int, store: str, out_dir: str) -> None:
         report: dict[str, Any] = {}
 
         def make() -> aioload.DataLoader[Any]:
-            return aioload.DataLoader(Indexed(), batch_size=BATCH, shuffle=True, num_workers=2)
+            return aioload.DataLoader(
+                Indexed(), batch_size=BATCH, shuffle=True, num_workers=2, shard="auto"
+            )
 
         loader = make()
         report["epochs"] = [flat(loader), flat(loader)]
         loader.set_epoch(0)
         report["epoch0_again"] = flat(loader)
 
-        unsharded = aioload.DataLoader(Indexed(), batch_size=BATCH, shard="none")
+        unsharded = aioload.DataLoader(Indexed(), batch_size=BATCH)  # torch's default: no shard
         report["unsharded"] = flat(unsharded)
 
         # Resume per rank: stop mid-epoch 1, checkpoint, continue in a fresh loader. (Reseeded
@@ -114,7 +117,7 @@ def test_ranks_draw_disjoint_shards_and_resume(tmp_path: Path, world_size: int) 
     for report in reports:
         assert report["epochs"][0] != report["epochs"][1]  # set_epoch implied by iterating
         assert report["epoch0_again"] == report["epochs"][0]  # and explicit set_epoch
-        assert report["unsharded"] == list(range(N))  # shard="none": the whole dataset
+        assert report["unsharded"] == list(range(N))  # by default: the whole dataset
         assert report["resumed_epoch1"] == report["epochs"][1]
     iterable = [i for report in reports for i in report["iterable"]]
     assert sorted(iterable) == list(range(N))  # each sample on exactly one worker of one rank
