@@ -21,7 +21,8 @@ from ._ranks import BATCH, STEP_SECONDS, Indexed, type_name
 
 
 def _aioload_loader(**overrides: Any) -> aioload.DataLoader[Any]:
-    arguments: dict[str, Any] = dict(batch_size=BATCH, num_workers=2, shuffle=True)
+    # shard="auto": each rank reads its own shard (the default, as torch's, is the whole set).
+    arguments: dict[str, Any] = dict(batch_size=BATCH, num_workers=2, shuffle=True, shard="auto")
     arguments.update(overrides)
     return aioload.DataLoader(Indexed(), **arguments)
 

@@ -27,7 +27,7 @@ NON_DEFAULTS: dict[str, Any] = {
     "in_order": False,
     "seed_per_sample": True,
     "max_worker_restarts": 1,
-    "shard": "none",
+    "shard": "auto",
     "generator": torch.Generator().manual_seed(3),
 }
 
