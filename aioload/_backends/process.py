@@ -132,8 +132,47 @@ def _payload(objects: tuple[Any, Any, Any], forking: bool) -> tuple[Any, Any, An
     except RuntimeError as error:
         # Only the "shared through inheritance" refusal is worth a second try while spawning.
         if "inheritance" not in str(error):
-            raise
+            raise _unpicklable(objects, error) from error
         return objects
+    except Exception as error:  # pickle's own errors: PicklingError, TypeError, AttributeError
+        raise _unpicklable(objects, error) from error
+
+
+_PICKLED = ("the dataset", "collate_fn", "worker_init_fn")
+
+
+def _unpicklable(objects: tuple[Any, Any, Any], error: Exception) -> Exception:
+    """``error``, of its own type where it can be made from a message, with a message that
+    says which of ``(dataset, collate_fn, worker_init_fn)`` cannot be pickled and what to do."""
+    culprit = None
+    for name, obj in zip(_PICKLED, objects, strict=True):
+        try:
+            pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            culprit = (name, obj)
+            break
+    if culprit is None:
+        return error
+    name, obj = culprit
+    if name == "the dataset":
+        advice = (
+            "make what cannot be pickled (an open file, a lock, a client) in the worker "
+            "instead: in worker_init_fn, or on first use"
+        )
+    else:
+        advice = (
+            f"define it with `def` at the top level of a module, not as a lambda or inside "
+            f"another function (a functools.partial of such a function works too); {name} is "
+            f"{obj!r}"
+        )
+    message = (
+        f"{name} cannot be pickled, and under the 'spawn' and 'forkserver' start methods "
+        f"every worker gets a pickled copy: {advice}. {type(error).__name__}: {error}"
+    )
+    try:
+        return type(error)(message)
+    except Exception:
+        return pickle.PicklingError(message)
 
 
 class _WorkerHandle:
@@ -288,6 +327,16 @@ def _poll_blocking(watched: select.poll, budget: float) -> list[tuple[int, int]]
 
 def _no_release(slab_id: int) -> None:
     pass
+
+
+# A worker that exits with status 1 under spawn or forkserver most often failed while it
+# imported the main module, as each such worker does first: a script that makes and iterates
+# its DataLoader at the top level starts workers from inside a worker, which Python refuses.
+_MAIN_GUARD_HINT = (
+    " Under the {method!r} start method each worker first imports your main module: if your "
+    "script makes or iterates the DataLoader at its top level, move that code under "
+    '`if __name__ == "__main__":`. The worker\'s own error is printed above, on stderr.'
+)
 
 
 def _describe_exit(worker: _WorkerHandle) -> tuple[str, int | None]:
@@ -690,6 +739,8 @@ class WorkerPool:
         if self.closed:
             return
         message, code = _describe_exit(worker)
+        if code == 1 and not self._forking:
+            message += _MAIN_GUARD_HINT.format(method=self._ctx.get_start_method())
         error = WorkerDiedError(message, worker_id=worker.worker_id, pid=worker.pid, exitcode=code)
         events.append(WorkerLost(worker.worker_id, error))
 

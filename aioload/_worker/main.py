@@ -32,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from importlib.machinery import ModuleSpec
-from types import ModuleType
+from types import ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -83,6 +83,28 @@ __all__ = [
 _PARENT_CHECK_S = 1.0
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_NO_INDEX: Any = object()
+
+
+def _failed_index(tb: TracebackType | None) -> Any:
+    """The index a failed fetch was for, where the dataset's own ``__getitem__`` raised (or
+    something it called): the argument of the first frame outside aioload that aioload's
+    fetch code called, when that frame is a ``__getitem__``. ``_NO_INDEX`` for any other
+    failure (a batched ``__getitems__``, a ``collate_fn``, ``worker_init_fn``)."""
+    called_from_aioload = False
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        ours = code.co_filename.startswith(_PACKAGE_DIR)
+        if called_from_aioload and not ours:
+            if code.co_name == "__getitem__" and code.co_argcount >= 2:
+                return tb.tb_frame.f_locals.get(code.co_varnames[1], _NO_INDEX)
+            return _NO_INDEX
+        called_from_aioload = ours
+        tb = tb.tb_next
+    return _NO_INDEX
+
+
 class RemoteError(ExceptionWrapper):
     """An exception captured in a worker, re-raised in the consumer.
 
@@ -95,6 +117,12 @@ class RemoteError(ExceptionWrapper):
         super().__init__(where=f"in DataLoader worker process {worker_id}")  # type: ignore[no-untyped-call]
         self.worker_id = worker_id
         self.from_init = False
+        # The sample whose fetch raised, named beside torch's message (its first lines are
+        # torch's, word for word, and its last is the exception's own).
+        index = _failed_index(sys.exc_info()[2])
+        if index is not _NO_INDEX:
+            head, _, frames = self.exc_msg.partition("\n")
+            self.exc_msg = f"{head}\n  (fetching the sample at index {index!r})\n{frames}"
 
     def reraise(self) -> None:
         exc_type: Any = self.exc_type
