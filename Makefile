@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint docs bench bench-sweep bench-ray bench-gpu test-gpu soak unit clean
+.PHONY: install run test lint docs bench bench-sweep bench-ray bench-gpu test-gpu soak unit test-compat clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,13 @@ unit: install
 	$(PY) -m pytest
 
 test: lint docs unit
+
+# tests/conformance and a smoke subset (tools/compat/smoke.txt) against every torch release of
+# tools/compat/releases.txt, as users install them (the registry's CUDA builds, and the CPU
+# wheel). One venv per release, kept between runs outside the checkout in
+# $AIOLOAD_COMPAT_DIR (default ~/.cache/aioload-compat); aioload runs from this checkout.
+test-compat:
+	$(PYTHON) tools/compat/matrix.py
 
 # aioload vs torch, the peers (torchdata.nodes, SPDL) and each workload's no-loader floor, with
 # issue 17's targets as PASS/FAIL; writes docs/benchmarks.{md,json,png}. About 15 minutes.

@@ -5,6 +5,8 @@ from __future__ import annotations
 import inspect
 import multiprocessing
 import os
+import tomllib
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -240,3 +242,37 @@ def test_is_a_torch_dataloader(loader_cls: type[Any]) -> None:
     assert issubclass(loader_cls, TorchDataLoader)
     assert loader_cls[int] is not None  # generic like torch's: DataLoader[int] in annotations
     assert isinstance(aioload.DataLoader(MAP), TorchDataLoader)
+
+
+def test_accepts_every_argument_of_the_installed_torch() -> None:
+    """aioload's DataLoader takes every argument the installed torch's takes, of the same kind
+    and with the same default: an argument a future torch adds fails here until it is added."""
+    ours = inspect.signature(aioload.DataLoader.__init__).parameters
+    theirs = inspect.signature(TorchDataLoader.__init__).parameters
+    missing = [name for name in theirs if name not in ours]
+    assert missing == [], f"torch {torch.__version__}'s DataLoader takes {missing}; aioload's not"
+    differ = [
+        name
+        for name, param in theirs.items()
+        if (ours[name].kind, ours[name].default) != (param.kind, param.default)
+    ]
+    assert differ == [], f"not as torch {torch.__version__} has them: {differ}"
+    # In torch's order, so that positional calls mean the same (see the test above).
+    assert [name for name in ours if name in theirs] == list(theirs)
+
+
+def test_declared_torch_range_is_the_tested_one() -> None:
+    """pyproject.toml's torch requirement spans exactly the releases `make test-compat` runs:
+    from the first of tools/compat/releases.txt to the last one's minor series."""
+    root = Path(__file__).resolve().parents[2]
+    releases = [
+        line.split("#", 1)[0].strip()
+        for line in (root / "tools" / "compat" / "releases.txt").read_text().splitlines()
+    ]
+    versions = [tuple(int(part) for part in r.split("+")[0].split(".")) for r in releases if r]
+    assert versions == sorted(versions)
+    first, last = versions[0], versions[-1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    torch_requirements = [d for d in project["dependencies"] if d.startswith("torch")]
+    floor = ".".join(map(str, first[:2])) if first[2] == 0 else ".".join(map(str, first))
+    assert torch_requirements == [f"torch>={floor},<{last[0]}.{last[1] + 1}"]
