@@ -106,7 +106,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             `"cuda:N"` copies each batch to that GPU in a thread of its own, pinned and with
             `non_blocking=True` on a CUDA stream of its own, and your current stream waits on an
             event (no host sync). Another accelerator's device is copied to in the same thread,
-            without streams. A device that does not exist raises `RuntimeError` here.
+            without streams. Where no accelerator is usable, a warning, and batches stay on the
+            CPU (as torch does with `pin_memory`); an accelerator other than the one named, or
+            a device index past the last, raises `RuntimeError` here.
         max_worker_restarts: How many times per pass a worker that dies (or hangs past
             `timeout`) is replaced by a new process with the same worker id, seed and
             `worker_init_fn`. Its unanswered batches are fetched again, so the epoch completes

@@ -6,8 +6,9 @@
     python examples/distributed_training.py                                # starts 2 ranks
 
 Nothing in the loop knows about ranks except the model wrapper (DistributedDataParallel):
-under an initialized ``torch.distributed``, ``aioload.DataLoader`` gives each rank its shard
-of the default sampler (``DistributedSampler`` semantics, one shuffle seed for all ranks),
+under an initialized ``torch.distributed``, ``aioload.DataLoader(..., shard="auto")`` gives
+each rank its shard of the default sampler (``DistributedSampler`` semantics, one shuffle seed
+for all ranks),
 moves to the next epoch's shuffle by itself, and checkpoints per rank with ``state_dict()``.
 
 Options: ``--epochs N``, ``--workers N`` (per rank), ``--loader-only`` (no model: measures
@@ -73,6 +74,7 @@ def run_rank(args: argparse.Namespace, checkpoint_dir: str) -> None:
         batch_size=64,
         shuffle=True,
         num_workers=args.workers,
+        shard="auto",  # each rank iterates its own shard of the dataset
         seed_per_sample=True,  # augmentations independent of workers and ranks' timing
     )
     model = None if args.loader_only else nn.parallel.DistributedDataParallel(_model())
