@@ -36,6 +36,7 @@ __all__ = [
     "Raised",
     "Reply",
     "Reset",
+    "SetConcurrency",
     "SlabBatch",
     "StreamEnded",
     "StreamState",
@@ -73,7 +74,15 @@ class FreeSlabs(NamedTuple):
     slab_ids: list[int]
 
 
-ToWorker = Reset | Task | FreeSlabs
+class SetConcurrency(NamedTuple):
+    """worker_concurrency="auto": how many samples an async dataset's worker may fetch at once
+    from now on (``_engine.tuning`` decides; tasks already gathering go on under the new
+    count)."""
+
+    concurrency: int
+
+
+ToWorker = Reset | Task | FreeSlabs | SetConcurrency
 
 # -- worker -> parent -------------------------------------------------------------------------
 

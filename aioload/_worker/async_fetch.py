@@ -188,6 +188,20 @@ class AsyncFetcher(BaseFetcher):
         # Made on first use: an anyio semaphore belongs to the loop (and backend) it is used on.
         self._slots: anyio.Semaphore | None = None
 
+    def set_concurrency(self, concurrency: int) -> None:
+        """worker_concurrency="auto": from now on at most ``concurrency`` fetches at once. More
+        slots are released into the semaphore; fewer take a new one (fetches holding a slot
+        of the old one finish on it, so for a moment both counts run)."""
+        old, self.concurrency = self.concurrency, concurrency
+        slots = self._slots
+        if slots is None or concurrency == old:
+            return
+        if concurrency > old:
+            for _ in range(concurrency - old):
+                slots.release()
+        else:
+            self._slots = anyio.Semaphore(concurrency)
+
     async def fetch(self, indices: Any) -> Any:
         return self.collate(await self.gather(indices))
 

@@ -49,6 +49,7 @@ from .._wire.messages import (
     Produced,
     Reply,
     Reset,
+    SetConcurrency,
     SlabBatch,
     StreamEnded,
     StreamState,
@@ -316,6 +317,8 @@ class WorkerStep:
         self.async_init: Any = None
         self.dataset: Any = None
         self.collate_fn: Any = None
+        # An async dataset's fetches at once (worker_concurrency; "auto" changes it).
+        self.concurrency = config.worker_concurrency
 
         wid = config.worker_id
         seed = _seed(config.base_seed, wid)
@@ -368,6 +371,13 @@ class WorkerStep:
     def error(self) -> Failure:
         """The exception being handled, as this worker's answer (type and traceback kept)."""
         return Failure(RemoteError(self.config.worker_id))
+
+    def set_concurrency(self, concurrency: int) -> None:
+        """worker_concurrency="auto" (``SetConcurrency``): this pass's fetcher and the next."""
+        self.concurrency = concurrency
+        resize = getattr(self.fetcher, "set_concurrency", None)
+        if resize is not None:
+            resize(concurrency)
 
     def setup_failed(self) -> None:
         """The exception being handled broke the worker's setup: every task gets it."""
@@ -429,7 +439,7 @@ class WorkerStep:
                 self.collate_fn,
                 self.config.drop_last,
                 plan,
-                self.config.worker_concurrency,
+                self.concurrency,
                 policy=self.config.sample_policy,
             )
         except Exception:
@@ -659,6 +669,9 @@ class _ProcessWorker:
         if isinstance(message, FreeSlabs):
             for slab_id in message.slab_ids:
                 self.slabs.release(slab_id)
+            return
+        if isinstance(message, SetConcurrency):
+            self.step.set_concurrency(message.concurrency)
             return
         if isinstance(message, Reset):
             self.step.generation = max(self.step.generation, message.generation)
