@@ -54,6 +54,10 @@ class _Bar:
         assert self.stats is not None
         pct = self.stats.data_bound_pct()
         parts = [] if pct is None else [f"data-bound {pct:.0f}%"]
+        # num_workers / prefetch_factor / worker_concurrency "auto": the current choice.
+        tuning = self.stats.tuning
+        if tuning is not None:
+            parts.append(tuning.brief())
         # Samples skipped so far (on_sample_error), shown once there is one.
         skipped = len(self.stats.skipped)
         if skipped:

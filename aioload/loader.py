@@ -34,6 +34,7 @@ from ._engine.resume import (
     generator_states,
     parse_state,
 )
+from ._engine.tuning import PassTuning, auto_arguments
 from ._worker.async_detect import is_async_dataset
 from ._worker.datapipes import SharedSeeds, is_datapipe, is_iter_datapipe, reseed, shard_in_process
 from ._worker.fetch import SamplePolicy, is_stateful
@@ -160,7 +161,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         shuffle: bool | None = None,
         sampler: Sampler[Any] | Iterable[Any] | None = None,
         batch_sampler: Sampler[list[Any]] | Iterable[list[Any]] | None = None,
-        num_workers: int = 0,
+        num_workers: int | str = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         pin_memory: bool = False,
         drop_last: bool = False,
@@ -169,7 +170,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         multiprocessing_context: Any = None,
         generator: torch.Generator | None = None,
         *,
-        prefetch_factor: int | None = None,
+        prefetch_factor: int | str | None = None,
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
@@ -178,12 +179,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         seed_per_sample: bool = False,
         shard: str = "none",
         progress: bool = False,
-        worker_concurrency: int = 1,
+        worker_concurrency: int | str = 1,
         workers: RayWorkers | None = None,
         on_sample_error: str | Callable[[Any, BaseException], str] = "raise",
         max_skipped: int | float | None = None,
         sample_retries: int = 0,
         snapshot_every_n_steps: int | None = 1,
+        max_memory: int | None = None,
     ) -> None:
         if shard not in ("auto", "none"):
             raise ValueError(f"shard option should be 'auto' or 'none', but got shard={shard!r}")
@@ -215,6 +217,28 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 seed=_shared_shuffle_seed(generator) if shuffle else 0,
                 drop_last=drop_last,
             )
+        # num_workers / prefetch_factor / worker_concurrency "auto" (docs/tuning.md): torch sees
+        # the integers the workers are built with, and the controller keeps the rest.
+        auto = auto_arguments(
+            num_workers,
+            prefetch_factor,
+            worker_concurrency,
+            max_memory,
+            iterable=isinstance(dataset, IterableDataset),
+            is_async=is_async_dataset(dataset, int(isinstance(dataset, IterableDataset))),
+        )
+        resolved: tuple[Any, Any, Any] = (num_workers, prefetch_factor, worker_concurrency)
+        if auto is not None:
+            resolved = (auto.num_workers, auto.prefetch_factor, auto.worker_concurrency)
+        elif worker_concurrency == "auto":
+            # A sync dataset fetches one sample at a time: "auto" has only 1 to choose from.
+            resolved = (num_workers, prefetch_factor, 1)
+        # (Typed as torch takes them; torch and _check_worker_concurrency validate them.)
+        workers_count: int = resolved[0]
+        prefetch: int | None = resolved[1]
+        concurrency: int = resolved[2]
+        self._tuner = auto.controller if auto is not None else None
+        self.max_memory = max_memory
         # torch validates every argument, with its own messages, and builds the samplers.
         super().__init__(
             dataset,
@@ -222,7 +246,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             shuffle=shuffle,
             sampler=sampler,
             batch_sampler=batch_sampler,
-            num_workers=num_workers,
+            num_workers=workers_count,
             collate_fn=collate_fn,
             pin_memory=pin_memory,
             drop_last=drop_last,
@@ -230,7 +254,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             worker_init_fn=worker_init_fn,
             multiprocessing_context=multiprocessing_context,
             generator=generator,
-            prefetch_factor=prefetch_factor,
+            prefetch_factor=prefetch,
             persistent_workers=persistent_workers,
             **_torch_only_arguments(pin_memory_device=pin_memory_device, in_order=in_order),
         )
@@ -261,7 +285,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         # None: local worker processes; RayWorkers: the num_workers workers as Ray actors.
         self.workers = workers
         self.worker_concurrency = _check_worker_concurrency(
-            worker_concurrency, self.dataset, self._dataset_kind, worker_init_fn
+            concurrency, self.dataset, self._dataset_kind, worker_init_fn
         )
         _check_sample_errors(on_sample_error, max_skipped, sample_retries)
         # Bad samples (docs/reliability.md, "Bad samples"): skipped or raised after retries,
@@ -392,6 +416,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 f"a{'n iterable' if iterable else ' map-style'} one"
             )
         streams = max(1, self.num_workers)
+        tuner = self._tuner
+        if iterable and in_progress and tuner is not None and tuner.per_pass_workers:
+            # num_workers="auto": the resumed pass runs a worker per saved stream.
+            streams = len(progress.streams) if tuner.workers.auto else streams
         if len(progress.streams) != streams:
             if iterable and in_progress:
                 raise ValueError(
@@ -637,6 +665,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         )
         # One list, appended to as batches are delivered: stats() and state_dict() read it.
         self._pass_stats.skipped = setup.progress.skipped
+        if self._tuner is not None:
+            # "auto": the pass feeds its counters to the controller (also stats()["tuning"]).
+            setup = setup._replace(tuning=PassTuning(self._tuner, self._pass_stats))
         engine = Orchestrator(
             backend.make, setup, owns_backend=backend.owned, stats=self._pass_stats
         )
@@ -646,6 +677,21 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         else:
             self._workers.current_pass = weakref.ref(engine)
         return engine
+
+    def _begin_tuned_pass(self, resume: PassProgress | None, reuse_workers: bool) -> None:
+        """num_workers="auto" with an IterableDataset: each worker holds its own stream, so
+        the count is chosen for the whole pass, here (from the last pass's measurements), and
+        held while persistent workers are kept or a checkpoint's streams are resumed."""
+        tuner = self._tuner
+        assert tuner is not None
+        hold: int | None = None
+        if reuse_workers:
+            hold = self.num_workers
+        elif resume is not None and self._pending_in_progress and tuner.per_pass_workers:
+            hold = len(resume.streams)
+        tuner.begin_pass(hold)
+        if tuner.per_pass_workers and tuner.workers.auto:
+            self.num_workers = tuner.pass_workers()
 
     def _pass_setup(self, offload_inline: bool) -> tuple[PassSetup, BackendChoice]:
         """The one place a pass is described: its number, its randomness (drawn or replayed,
@@ -657,6 +703,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             self._shard_sampler.set_epoch(epoch)
         resume, self._pending_resume = self._pending_resume, None
         reuse_workers = self._pool_reusable()
+        if self._tuner is not None:
+            self._begin_tuned_pass(resume, reuse_workers)
         points, load_points = self._start_points(resume, reuse_workers)
         start = begin_pass(
             epoch=epoch,

@@ -176,6 +176,10 @@ class LoaderStats:
     # carries on the list and the count of the pass it resumes.
     skipped: list[SkippedSample] = field(default_factory=list)
     skipped_count: int = 0
+    # num_workers / prefetch_factor / worker_concurrency "auto" (docs/tuning.md): the current
+    # choice, each change with its reason and time, and the measurements used; None when
+    # every number is the user's.
+    tuning: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data (numbers, None, lists and dicts) for loggers and ``json.dumps``."""
@@ -229,6 +233,9 @@ class PassStats:
         self.skipped: list[SkippedSample] = []
         # Batches a resumed pass had yielded before its checkpoint (a progress bar starts there).
         self.resumed_batches = 0
+        # The pass's feed to the "auto" controller (``_engine.tuning.PassTuning``), if any:
+        # it has ``report()`` and ``brief()``.
+        self.tuning: Any = None
 
     # -- the consumer (front ends) ------------------------------------------------------------
 
@@ -351,6 +358,7 @@ class PassStats:
             workers=workers,
             skipped=list(self.skipped),
             skipped_count=len(self.skipped),
+            tuning=self.tuning.report() if self.tuning is not None else None,
         )
 
 
@@ -386,6 +394,17 @@ def _clip(text: str, limit: int = 100) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
+def _tuning_line(tuning: dict[str, Any]) -> str:
+    chosen = ", ".join(
+        f"{name}={knob['value']}{' (auto)' if knob['auto'] else ''}"
+        for name in ("num_workers", "prefetch_factor", "worker_concurrency")
+        if (knob := tuning.get(name)) is not None
+    )
+    changes = tuning.get("changes") or []
+    last = f"; last change: {changes[-1]['reason']}" if changes else ""
+    return f"tuning: {chosen}; {len(changes)} changes{last}"
+
+
 def _table(stats: LoaderStats) -> str:
     state = "finished" if stats.elapsed_s > 0 else "not started"
     if stats.running:
@@ -409,6 +428,8 @@ def _table(stats: LoaderStats) -> str:
             f"  pin/H2D: {stats.pin_batches} batches, {stats.pin_s:.2f} s "
             f"({_seconds(stats.pin_s / stats.pin_batches)} each)"
         )
+    if stats.tuning is not None:
+        lines.append("  " + _tuning_line(stats.tuning))
     if stats.skipped_count:
         lines.append(f"  skipped samples: {stats.skipped_count} (on_sample_error)")
         shown = stats.skipped[-_SKIPS_SHOWN:]

@@ -45,10 +45,12 @@ from typing import Any, NamedTuple
 
 __all__ = [
     "AUTO",
+    "AutoArguments",
     "Change",
     "Controller",
     "PassTuning",
     "Window",
+    "auto_arguments",
     "batch_bytes",
     "cgroup_cpu_quota",
     "usable_cores",
@@ -83,6 +85,9 @@ GAIN = 1.05
 CONCURRENCY_GAIN = 1.10
 KEEP = 0.95
 MAX_REVERSALS = 4
+# A bound learned from a failed trial is tried again after this many windows (a window can be
+# unlucky on a busy machine); MAX_REVERSALS still bounds the moves.
+RETRY_WINDOWS = 12
 # A window: at least this many batches and seconds, or this many seconds (and 2 batches).
 MIN_BATCHES = 8
 MIN_SECONDS = 0.25
@@ -281,6 +286,7 @@ class _Knob:
         "high",
         "low",
         "name",
+        "retry_at",
         "reversals",
         "value",
     )
@@ -297,6 +303,7 @@ class _Knob:
         # Bounds learned from failed trials, and the moves' directions: per pass.
         self.ceiling = self.high
         self.floor = self.low
+        self.retry_at = 0
         self.direction = 0
         self.reversals = 0
 
@@ -385,6 +392,13 @@ class Controller:
         self._skip = 0
         self._pass_index = -1
         self._at_s = 0.0
+        self._windows = 0
+
+    @property
+    def window_factor(self) -> int:
+        """How many ordinary windows long the next one is: a trial is judged (and a new worker
+        given time to start) on a double window, so that one unlucky stretch decides less."""
+        return 2 if self._trial is not None or self._skip else 1
 
     @property
     def knobs(self) -> tuple[_Knob, _Knob, _Knob]:
@@ -396,11 +410,16 @@ class Controller:
 
     # -- passes --------------------------------------------------------------------------------
 
-    def begin_pass(self) -> None:
+    def begin_pass(self, hold_workers: int | None = None) -> None:
         """A pass starts from the values the last one ended with; what trials taught about
-        the last pass's bounds is forgotten (the data may differ)."""
-        if self.per_pass_workers and self.pass_window is not None and self.workers.auto:
-            self._plan_next_pass(self.pass_window)
+        the last pass's bounds is forgotten (the data may differ). An IterableDataset's count
+        is chosen here from the last pass, unless ``hold_workers`` fixes it (its persistent
+        workers are kept, or a checkpoint's streams are resumed)."""
+        if self.per_pass_workers and self.workers.auto:
+            if hold_workers is not None:
+                self.workers.value = max(1, hold_workers)
+            elif self.pass_window is not None:
+                self._plan_next_pass(self.pass_window)
         self._pass_index += 1
         self.passes += 1
         for knob in self.knobs:
@@ -441,6 +460,10 @@ class Controller:
         """Take one window's measurements; the changes made (often none)."""
         self.last_window = window
         self._at_s = at_s
+        self._windows += 1
+        for knob in self.knobs:
+            if knob.retry_at and self._windows >= knob.retry_at:
+                knob.ceiling, knob.floor, knob.retry_at = knob.high, knob.low, 0
         changes = self._fit_memory(window)
         if changes:
             self._trial = None
@@ -480,23 +503,25 @@ class Controller:
                 self.note = f"kept {knob.name}={trial.new}: {before:.0f} -> {now:.0f} samples/s"
                 return None
             knob.ceiling = trial.old
+            knob.retry_at = self._windows + RETRY_WINDOWS
             return self._record(
                 knob,
                 trial.old,
                 f"undone: {knob.name} {trial.old} -> {trial.new} brought {before:.0f} -> "
                 f"{now:.0f} samples/s (less than {need - 1:.0%} more); {trial.old} is the "
-                "ceiling for this pass",
+                f"ceiling for the next {RETRY_WINDOWS} windows",
             )
         if now >= before * KEEP and window.waiting < WAIT_HIGH:
             self.note = f"kept {knob.name}={trial.new}: {before:.0f} -> {now:.0f} samples/s"
             return None
         knob.floor = trial.old
+        knob.retry_at = self._windows + RETRY_WINDOWS
         return self._record(
             knob,
             trial.old,
             f"undone: {knob.name} {trial.old} -> {trial.new} took {before:.0f} -> {now:.0f} "
             f"samples/s with the consumer waiting {window.waiting:.0%}; {trial.old} is the "
-            "floor for this pass",
+            f"floor for the next {RETRY_WINDOWS} windows",
         )
 
     def _fits(self, workers: int, depth: int, window: Window) -> bool:
@@ -675,6 +700,7 @@ class PassTuning:
     def __init__(self, controller: Controller, stats: Any) -> None:
         self.controller = controller
         self.stats = stats
+        stats.tuning = self
         self._idle = _IdleCpus(_affinity())
         self._first: _Mark | None = None
         self._first_idle: tuple[int, int] | None = None
@@ -683,7 +709,6 @@ class PassTuning:
         self._in_flight = 0
         self._waiting = 0
         self._largest = 0
-        controller.begin_pass()
 
     @property
     def workers(self) -> int:
@@ -729,8 +754,12 @@ class PassTuning:
         self._waiting += waiting
         controller = self.controller
         elapsed = now - mark.at
+        factor = controller.window_factor
         if not (
-            (self._batches >= controller.min_batches and elapsed >= controller.min_seconds)
+            (
+                self._batches >= controller.min_batches * factor
+                and elapsed >= controller.min_seconds * factor
+            )
             or (self._batches >= 2 and elapsed >= controller.max_seconds)
         ):
             return False
@@ -772,3 +801,96 @@ class PassTuning:
             batch_bytes=size,
             rss_bytes=_rss_bytes() if not whole else 0,
         )
+
+
+# -- the DataLoader's arguments ---------------------------------------------------------------
+
+
+class AutoArguments(NamedTuple):
+    """What a loader with an "auto" argument gives torch's ``__init__`` (integers it accepts),
+    and the controller that keeps the rest."""
+
+    num_workers: int
+    prefetch_factor: int | None
+    worker_concurrency: int
+    controller: Controller
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value == AUTO
+
+
+def auto_arguments(
+    num_workers: Any,
+    prefetch_factor: Any,
+    worker_concurrency: Any,
+    max_memory: Any,
+    *,
+    iterable: bool,
+    is_async: bool,
+) -> AutoArguments | None:
+    """Validate the "auto" arguments and ``max_memory``; None when there is nothing to tune
+    (every number is the user's, and no budget): the loader then behaves exactly as before.
+    Integers are left for the usual checks (torch's, and the loader's own)."""
+    for name, value in (
+        ("num_workers", num_workers),
+        ("prefetch_factor", prefetch_factor),
+        ("worker_concurrency", worker_concurrency),
+    ):
+        if isinstance(value, str) and value != AUTO:
+            raise ValueError(
+                f"{name} option should be an integer or 'auto', but got {name}={value!r}"
+            )
+    if max_memory is not None and (
+        isinstance(max_memory, bool) or not isinstance(max_memory, int) or max_memory <= 0
+    ):
+        raise ValueError(
+            "max_memory option should be None or a positive number of bytes, but got "
+            f"max_memory={max_memory!r}"
+        )
+    auto_workers = _is_auto(num_workers)
+    auto_depth = _is_auto(prefetch_factor)
+    # A sync dataset fetches one sample at a time: "auto" has only 1 to choose from.
+    auto_concurrency = _is_auto(worker_concurrency) and is_async
+    if not (auto_workers or auto_depth or auto_concurrency):
+        if max_memory is not None:
+            raise ValueError(
+                "max_memory bounds what num_workers='auto' and prefetch_factor='auto' choose: "
+                "pass one of them with it"
+            )
+        return None
+    if not auto_workers and num_workers == 0 and auto_depth:
+        # torch's own refusal of a prefetch_factor without workers.
+        raise ValueError(
+            "prefetch_factor option could only be specified in multiprocessing."
+            "let num_workers > 0 to enable multiprocessing, otherwise set prefetch_factor to None."
+        )
+    cores = usable_cores()
+    controller = Controller(
+        workers=None if auto_workers else int(num_workers),
+        depth=None if auto_depth else None if prefetch_factor is None else int(prefetch_factor),
+        concurrency=None if auto_concurrency else 1,
+        max_workers=cores,
+        cores=cores,
+        max_memory=max_memory,
+        per_pass_workers=iterable,
+    )
+    if not auto_depth and prefetch_factor is None:
+        controller.depth = _Knob(DEPTH, False, START_DEPTH, START_DEPTH, START_DEPTH)
+    if not auto_concurrency:
+        value = 1 if _is_auto(worker_concurrency) else worker_concurrency
+        controller.concurrency = _Knob(CONCURRENCY, False, value, value, value)
+    # torch's __init__ sees what the pool is built with: every slot (map-style), or the first
+    # pass's count (an IterableDataset, whose count holds for a pass).
+    torch_workers = num_workers
+    if auto_workers:
+        torch_workers = controller.workers.value if iterable else controller.workers.high
+    torch_prefetch = prefetch_factor
+    if auto_depth:
+        torch_prefetch = START_DEPTH if torch_workers else None
+    return AutoArguments(
+        num_workers=torch_workers,
+        prefetch_factor=torch_prefetch,
+        worker_concurrency=controller.concurrency.value,
+        controller=controller,
+    )

@@ -1,0 +1,234 @@
+"""num_workers / prefetch_factor / worker_concurrency "auto", end to end with worker processes.
+
+The controller's own choices depend on timing, so these tests replace it with a scripted one
+that changes the numbers every couple of batches: what they check is that results do not
+depend on what it picks (order, exactly-once, seed_per_sample augmentations, resume), never
+how fast anything runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+import aioload
+from aioload._engine import tuning
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    # Three slots on a smaller test machine (usable_cores is patched): torch's advice, not ours.
+    pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
+]
+
+N = 240
+
+
+class Numbers(Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor(index)
+
+
+class Augmented(Dataset[torch.Tensor]):
+    """A random augmentation per sample: the same under seed_per_sample whoever fetches it."""
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([float(index), torch.rand(()).item()])
+
+
+class AsyncNumbers(Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return N
+
+    async def __getitem__(self, index: int) -> torch.Tensor:  # type: ignore[override]
+        await asyncio.sleep(0.0005 * (index % 3))
+        return torch.tensor(index)
+
+
+class Stream(IterableDataset[torch.Tensor]):
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        return iter(torch.tensor(i) for i in range(start, N, step))
+
+
+class Scripted(tuning.Controller):
+    """Moves to the next (workers, depth, concurrency) of ``script`` at every window."""
+
+    def __init__(self, script: list[tuple[int, int, int]], **settings: Any) -> None:
+        super().__init__(min_batches=2, min_seconds=0.0, **settings)
+        self.script = itertools.cycle(script)
+
+    def observe(self, window: tuning.Window, at_s: float = 0.0) -> list[tuning.Change]:
+        self.last_window = window
+        workers, depth, concurrency = next(self.script)
+        changes = []
+        for knob, new in (
+            (self.workers, workers),
+            (self.depth, depth),
+            (self.concurrency, concurrency),
+        ):
+            if knob.auto and knob.value != new:
+                changes.append(self._record(knob, new, "scripted"))
+        return changes
+
+
+def scripted(loader: aioload.DataLoader[Any], script: list[tuple[int, int, int]]) -> Scripted:
+    tuner = loader._tuner
+    assert tuner is not None
+    replacement = Scripted(
+        script,
+        workers=None if tuner.workers.auto else tuner.workers.value,
+        depth=None if tuner.depth.auto else tuner.depth.value,
+        concurrency=None if tuner.concurrency.auto else tuner.concurrency.value,
+        max_workers=tuner.workers.high,
+        cores=tuner.cores,
+        per_pass_workers=tuner.per_pass_workers,
+    )
+    loader._tuner = replacement
+    return replacement
+
+
+@pytest.fixture
+def three_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tuning, "usable_cores", lambda: 3)
+
+
+SCRIPT = [(1, 1, 4), (3, 2, 8), (2, 4, 4), (1, 8, 16), (3, 1, 4)]
+
+
+def values(batches: list[torch.Tensor]) -> list[int]:
+    return [int(x) for x in torch.cat([b.reshape(-1) for b in batches]).tolist()]
+
+
+@pytest.mark.usefixtures("three_cores")
+def test_order_and_exactly_once_while_the_count_changes() -> None:
+    loader = aioload.DataLoader(Numbers(), batch_size=4, num_workers="auto", prefetch_factor="auto")
+    assert loader.num_workers == 3  # every slot the controller may use
+    tuner = scripted(loader, SCRIPT)
+    for _ in range(2):  # a second pass starts from where the first left the numbers
+        assert values(list(loader)) == list(range(N))
+    assert len(tuner.changes) > 5
+    report = loader.stats().as_dict()["tuning"]
+    assert report["num_workers"]["auto"] is True
+    assert {c["reason"] for c in report["changes"]} == {"scripted"}
+    # Workers of every slot answered some of the batches.
+    assert all(w["tasks"] > 0 for w in loader.stats().as_dict()["workers"])
+
+
+@pytest.mark.usefixtures("three_cores")
+def test_async_for_and_in_order_false() -> None:
+    async def run() -> list[int]:
+        loader = aioload.DataLoader(
+            Numbers(), batch_size=4, num_workers="auto", prefetch_factor="auto", in_order=False
+        )
+        scripted(loader, SCRIPT)
+        return sorted(values([b async for b in loader]))
+
+    assert asyncio.run(run()) == list(range(N))
+
+
+@pytest.mark.usefixtures("three_cores")
+def test_seed_per_sample_augmentations_do_not_depend_on_the_count() -> None:
+    def batches(num_workers: Any) -> list[torch.Tensor]:
+        loader = aioload.DataLoader(
+            Augmented(),
+            batch_size=4,
+            num_workers=num_workers,
+            seed_per_sample=True,
+            generator=torch.Generator().manual_seed(7),
+        )
+        if num_workers == "auto":
+            scripted(loader, SCRIPT)
+        return list(loader)
+
+    expected = torch.cat(batches(2))
+    assert torch.equal(torch.cat(batches("auto")), expected)
+
+
+@pytest.mark.usefixtures("three_cores")
+def test_resume_while_the_count_changes() -> None:
+    def loader() -> aioload.DataLoader[torch.Tensor]:
+        made = aioload.DataLoader(
+            Numbers(),
+            batch_size=4,
+            shuffle=True,
+            num_workers="auto",
+            generator=torch.Generator().manual_seed(3),
+        )
+        scripted(made, SCRIPT)
+        return made
+
+    full = values(list(loader()))
+    first = loader()
+    iterator = iter(first)
+    head = [next(iterator) for _ in range(23)]
+    state = first.state_dict()
+    del iterator
+    second = loader()
+    second.load_state_dict(state)
+    rest = list(second)
+    assert values(head) + values(rest) == full
+    assert sorted(full) == list(range(N))
+
+
+@pytest.mark.usefixtures("three_cores")
+def test_worker_concurrency_auto_changes_in_the_workers() -> None:
+    loader = aioload.DataLoader(
+        AsyncNumbers(), batch_size=8, num_workers=2, worker_concurrency="auto"
+    )
+    assert loader.worker_concurrency == tuning.START_CONCURRENCY
+    tuner = scripted(loader, SCRIPT)
+    assert values(list(loader)) == list(range(N))
+    assert any(c.knob == tuning.CONCURRENCY for c in tuner.changes)
+
+
+def test_worker_concurrency_auto_with_a_sync_dataset_is_one() -> None:
+    loader = aioload.DataLoader(Numbers(), batch_size=4, worker_concurrency="auto")
+    assert loader.worker_concurrency == 1
+    assert loader._tuner is None
+
+
+@pytest.mark.usefixtures("three_cores")
+def test_an_iterable_dataset_holds_its_count_for_a_pass() -> None:
+    loader = aioload.DataLoader(Stream(), batch_size=4, num_workers="auto")
+    # The first pass: the cores less one for the consumer.
+    assert loader.num_workers == 2
+    tuner = loader._tuner
+    assert tuner is not None and tuner.per_pass_workers
+    got = sorted(values(list(loader)))
+    assert got == list(range(N))
+    # The next pass's count comes from the last pass's measurements; whatever it is, every
+    # sample comes once, as with that many workers.
+    tuner.pass_window = tuning.Window(1.0, 10, 40, waiting=0.0, busy=0.1, idle_cores=2.0)
+    got = sorted(values(list(loader)))
+    assert loader.num_workers == 1
+    assert got == list(range(N))
+
+
+@pytest.mark.usefixtures("three_cores")
+def test_the_progress_bar_shows_the_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    loader = aioload.DataLoader(
+        Numbers(), batch_size=4, num_workers="auto", prefetch_factor="auto", progress=True
+    )
+    assert values(list(loader)) == list(range(N))
+    assert "auto: " in capsys.readouterr().err
+
+
+def test_torch_still_validates_integers() -> None:
+    with pytest.raises(ValueError, match="num_workers option should be non-negative"):
+        aioload.DataLoader(Numbers(), num_workers=-1)
+    with pytest.raises(ValueError, match="should be an integer or 'auto'"):
+        aioload.DataLoader(Numbers(), num_workers="many")
+    with pytest.raises(ValueError, match="max_memory bounds what"):
+        aioload.DataLoader(Numbers(), num_workers=2, max_memory=1 << 30)
