@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -110,18 +112,45 @@ def check(batch: list[tuple[int, bytes]]) -> int:
     return len(batch)
 
 
-async def read_async(loader: Any) -> tuple[int, float]:
-    start = time.perf_counter()
-    count = 0
+class Timing:
+    """Each batch's arrival. The rate counts from the first batch on: the workers' start, and
+    each worker's first requests (its client, its connections), are left out."""
+
+    def __init__(self) -> None:
+        self.arrivals: list[float] = []
+        self.files = 0
+
+    def add(self, batch: list[tuple[int, bytes]]) -> None:
+        self.arrivals.append(time.perf_counter())
+        if len(self.arrivals) > 1:  # the first batch starts the clock
+            self.files += check(batch)
+        else:
+            check(batch)
+
+    def report(self) -> str:
+        if len(self.arrivals) < 2:
+            return "too few batches to time"
+        gaps = sorted(b - a for a, b in itertools.pairwise(self.arrivals))
+        p99 = gaps[min(len(gaps) - 1, round(0.99 * (len(gaps) - 1)))]
+        rate = self.files / (self.arrivals[-1] - self.arrivals[0])
+        return (
+            f"{rate:6.0f} files/s; time between batches: median "
+            f"{statistics.median(gaps) * 1e3:5.1f} ms, p99 {p99 * 1e3:5.1f} ms"
+        )
+
+
+async def read_async(loader: Any) -> Timing:
+    timing = Timing()
     async for batch in loader:
-        count += check(batch)
-    return count, time.perf_counter() - start
+        timing.add(batch)
+    return timing
 
 
-def read_sync(loader: Any) -> tuple[int, float]:
-    start = time.perf_counter()
-    count = sum(check(batch) for batch in loader)
-    return count, time.perf_counter() - start
+def read_sync(loader: Any) -> Timing:
+    timing = Timing()
+    for batch in loader:
+        timing.add(batch)
+    return timing
 
 
 def main() -> None:
@@ -147,22 +176,21 @@ def main() -> None:
             collate_fn=as_list,
             worker_concurrency=args.concurrency,
         )
-        count, seconds = asyncio.run(read_async(loader))
+        print("  rates from each pass's first batch on (the workers' start left out):")
+        timing = asyncio.run(read_async(loader))
         print(
             f"  aioload, async dataset, {args.workers} workers x {args.concurrency} in flight: "
-            f"{count / seconds:6.0f} files/s"
+            f"{timing.report()}"
         )
-        count, seconds = read_sync(loader)  # `for` works the same
-        print(f"  aioload, the same loader under `for`:           {count / seconds:6.0f} files/s")
+        timing = read_sync(loader)  # `for` works the same
+        print(f"  aioload, the same loader under `for`:           {timing.report()}")
         if not args.skip_torch:
             blocking = BlockingRemoteFiles(url, names)
             torch_loader = torch.utils.data.DataLoader(
                 blocking, batch_size=args.batch_size, num_workers=args.workers, collate_fn=as_list
             )
-            count, seconds = read_sync(torch_loader)
-            print(
-                f"  torch DataLoader, blocking client:              {count / seconds:6.0f} files/s"
-            )
+            timing = read_sync(torch_loader)
+            print(f"  torch DataLoader, blocking client:              {timing.report()}")
 
 
 if __name__ == "__main__":
