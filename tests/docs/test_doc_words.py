@@ -4,7 +4,7 @@ measurement outside the benchmark report.
 README.md and every page under docs/ are searched for phrases that speak of issues, rounds of
 work, sessions, who edited what, or when something was done, and for dates, clock times and
 commit hashes, which belong to a benchmark run's report (docs/benchmarks.md, written by
-``make bench``) and nowhere else.
+``make bench``, and the other docs/benchmarks-NAME.md reports) and nowhere else.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-# The benchmark report states when and at which commit its run was made.
-DATED_PAGES = {"docs/benchmarks.md"}
+# The benchmark reports (docs/benchmarks.md, and any docs/benchmarks-NAME.md a benchmark
+# writes) state when and at which commit their run was made.
+DATED_PAGES = {str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("benchmarks*.md")}
 
 PROJECT_WORDS = [
     r"\bissues? #?\d+",
