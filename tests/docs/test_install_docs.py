@@ -25,6 +25,15 @@ def test_the_install_section_names_every_dependency(page: str) -> None:
     assert 'pip install "git+' in section
     missing = [name for name in _dependencies() if f"`{name}`" not in section]
     assert not missing, f"{page}'s install section does not name {missing}"
+    # torch's range, as pyproject.toml declares it: "torch>=A.B,<C.D" is "from A.B to C.(D-1)".
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    spec = next(s for s in project["dependencies"] if s.startswith("torch"))
+    low = re.search(r">=\s*(\d+\.\d+)", spec)
+    high = re.search(r"<\s*(\d+)\.(\d+)", spec)
+    assert low and high, spec
+    assert f"from {low.group(1)} to {high.group(1)}.{int(high.group(2)) - 1}" in " ".join(
+        section.split()
+    ), f"{page} does not give torch's range {spec!r}"
 
 
 def test_the_quickstart_names_the_demo_make_run_runs() -> None:
