@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint docs bench bench-sweep bench-ray bench-gpu test-gpu soak unit test-compat clean
+.PHONY: install run test lint docs bench bench-sweep bench-auto bench-ray bench-gpu test-gpu soak unit test-compat clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,13 @@ bench: install
 # network namespace (it re-runs itself under `unshare -n`); rows into docs/benchmarks.md.
 bench-ray: install
 	$(PY) -m benchmarks.ray --json docs/benchmarks_ray.json --docs
+
+# num_workers/prefetch_factor/worker_concurrency="auto" against a small grid of hand-set numbers
+# and torch's defaults, per workload, alternating, medians, peak RSS; writes
+# docs/benchmarks-auto.{md,json}. About 15 minutes on 2 cores.
+bench-auto: install
+	$(PY) -m compileall -q aioload
+	$(PY) -m benchmarks.auto
 
 # How the cost grows with sample size, batch size and num_workers; writes the sweep section of
 # docs/benchmarks.md and docs/benchmarks-sweep.{json,png}. About 5 minutes.

@@ -102,8 +102,14 @@ def _kill_group(pgid: int, grace_s: float) -> int:
     return len(members)
 
 
-def run_child(args: list[str], timeout_s: float, env: dict[str, str] | None = None) -> ChildOutcome:
-    """Run ``python -m benchmarks._one ARGS`` and return its JSON result and peak RSS.
+def run_child(
+    args: list[str],
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+    module: str = "benchmarks._one",
+) -> ChildOutcome:
+    """Run ``python -m benchmarks._one ARGS`` (or ``module``) and return its JSON result and
+    peak RSS.
 
     The child gets its own session/process group so that on timeout the whole tree
     (including loader workers) can be killed, and so that workers it leaks are detected.
@@ -113,7 +119,7 @@ def run_child(args: list[str], timeout_s: float, env: dict[str, str] | None = No
         p for p in (_PKG_ROOT, child_env.get("PYTHONPATH", "")) if p
     )
     out = ChildOutcome(ok=False)
-    cmd = [sys.executable, "-m", "benchmarks._one", *args]
+    cmd = [sys.executable, "-m", module, *args]
     with tempfile.TemporaryFile() as fout, tempfile.TemporaryFile() as ferr:
         t0 = time.monotonic()
         proc = subprocess.Popen(

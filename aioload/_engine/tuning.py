@@ -24,8 +24,8 @@ How the controller decides (docs/tuning.md says the same for users):
   turns direction ``MAX_REVERSALS`` times in a pass is settled for that pass. So it cannot
   oscillate: within a pass each knob makes a bounded number of moves.
 - Growth order when the consumer waits: concurrency (an async dataset's fetches in flight,
-  doubled from 4 up to 256, while it can be used: a worker has at most prefetch x batch size
-  samples to fetch), then workers (only while cores are measured idle and the workers are
+  doubled from 4 up to 256, while it fills at most half of the prefetch x batch size samples
+  a worker has to fetch; past that the depth grows first), then workers (only while cores are measured idle and the workers are
   busy), then prefetch depth (+1 per worker, within [1, 8], only while the workers have slack:
   a deeper queue does not make a saturated worker faster, and more slabs in flight cost cache).
 - ``max_memory`` bounds ``(workers x depth + 2) x batch bytes``: the batches in flight plus the
@@ -89,8 +89,8 @@ MAX_REVERSALS = 4
 # unlucky on a busy machine); MAX_REVERSALS still bounds the moves.
 RETRY_WINDOWS = 12
 # A window: at least this many batches and seconds, or this many seconds (and 2 batches).
-MIN_BATCHES = 8
-MIN_SECONDS = 0.25
+MIN_BATCHES = 4
+MIN_SECONDS = 0.2
 MAX_SECONDS = 2.0
 # Changes kept for stats() (the oldest are dropped first).
 MAX_CHANGES = 100
@@ -396,9 +396,12 @@ class Controller:
 
     @property
     def window_factor(self) -> int:
-        """How many ordinary windows long the next one is: a trial is judged (and a new worker
-        given time to start) on a double window, so that one unlucky stretch decides less."""
-        return 2 if self._trial is not None or self._skip else 1
+        """How many ordinary windows long the next one is: a new worker is given a double
+        window to start, and its trial is judged on a double window (a worker costs a fork and
+        a core, so one unlucky stretch should decide less). Depth and concurrency act at once,
+        and are judged on the next ordinary window."""
+        trial = self._trial
+        return 2 if self._skip or (trial is not None and trial.knob is self.workers) else 1
 
     @property
     def knobs(self) -> tuple[_Knob, _Knob, _Knob]:
@@ -572,7 +575,10 @@ class Controller:
         # Samples a worker may be fetching at once: its tasks in flight x their size.
         room = depth.value * per_batch
         if concurrency.can_grow():
-            if concurrency.value < room:
+            # Doubled while it fills at most half the samples in flight, so that a worker has
+            # the next batch's samples to start while a batch's last ones finish; past that,
+            # deeper first (or, where depth is pinned, up to all of them).
+            if concurrency.value * 4 <= room or (concurrency.value < room and not depth.can_grow()):
                 new = min(concurrency.ceiling, concurrency.value * 2)
                 return self._try(
                     concurrency, new, w, f"{waiting}: more fetches in flight per worker"
