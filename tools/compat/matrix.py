@@ -282,7 +282,24 @@ def describe_build(rel: Release) -> str:
     return f"{version} ({'cpu' if cuda == 'cpu' else 'cuda ' + cuda})"
 
 
-def run_tests(rel: Release, result: Result, tests: list[str], extra: list[str]) -> None:
+def private_shm_prefix() -> list[str]:
+    """A command prefix that runs the tests with a /dev/shm of their own (a tmpfs in a mount
+    namespace of their own), where the machine allows it (root, or user namespaces): the leak
+    checks count the /dev/shm entries a test leaves behind, and two releases tested at once
+    (or anything else on the machine) would otherwise see each other's. Empty where it cannot
+    be had; the releases then run one at a time."""
+    prefix = ["unshare", "--mount", "--propagation", "private", "sh", "-c"]
+    script = 'mount -t tmpfs -o mode=1777 tmpfs /dev/shm && exec "$@"'
+    try:
+        probe = subprocess.run([*prefix, script, "sh", "true"], capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [*prefix, script, "sh"] if probe.returncode == 0 else []
+
+
+def run_tests(
+    rel: Release, result: Result, tests: list[str], extra: list[str], prefix: list[str]
+) -> None:
     log = rel.logs / f"test-{rel.release}.log"
     junit = rel.logs / f"junit-{rel.release}.xml"
     log.write_text("")
@@ -292,7 +309,7 @@ def run_tests(rel: Release, result: Result, tests: list[str], extra: list[str]) 
     env.pop("VIRTUAL_ENV", None)
     # The matrix venv's interpreter first, for the tests that start `python` by name.
     env["PATH"] = f"{rel.venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
-    cmd = [str(rel.python), "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider"]
+    cmd = [*prefix, str(rel.python), "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider"]
     cmd += [f"--junitxml={junit}", *extra]
     started = time.monotonic()
     code = run_logged(cmd, log, TEST_TIMEOUT_S, env)
@@ -323,7 +340,12 @@ def _summary(log: Path) -> str:
 
 
 def one(
-    release: str, base: Path, tests: list[str], extra: list[str], args: argparse.Namespace
+    release: str,
+    base: Path,
+    tests: list[str],
+    extra: list[str],
+    args: argparse.Namespace,
+    prefix: list[str],
 ) -> Result:
     rel = Release(release, base)
     rel.logs.mkdir(parents=True, exist_ok=True)
@@ -337,7 +359,7 @@ def one(
             say(f"[{release}] venv {result.venv}: torch {result.build}")
             return result
         say(f"[{release}] testing torch {result.build} (venv {result.venv})")
-        run_tests(rel, result, tests, extra)
+        run_tests(rel, result, tests, extra, prefix)
     except Exception as exc:  # reported in the table, and the run fails
         result.error = f"{type(exc).__name__}: {exc}"
     say(f"[{release}] {_line(result)}")
@@ -374,11 +396,18 @@ def main() -> int:
         releases = [r for r in releases if r in chosen]
     tests = ["tests/conformance", *listed(SMOKE)]
     base = compat_dir()
-    say(f"torch matrix: {' '.join(releases)}; venvs in {base}; {args.jobs} at once")
+    prefix = [] if args.install_only else private_shm_prefix()
+    jobs = max(1, args.jobs)
+    if not prefix and not args.install_only and jobs > 1:
+        say("no private /dev/shm here (unshare --mount refused): one release at a time")
+        jobs = 1
+    say(f"torch matrix: {' '.join(releases)}; venvs in {base}; {jobs} at once")
     say(f"tests: {' '.join(tests)}")
     started = time.monotonic()
-    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        results = list(pool.map(lambda r: one(r, base, tests, args.pytest_args, args), releases))
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        results = list(
+            pool.map(lambda r: one(r, base, tests, args.pytest_args, args, prefix), releases)
+        )
     wall = time.monotonic() - started
 
     say("\ntorch release      build                      venv       result")
