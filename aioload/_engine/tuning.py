@@ -10,6 +10,7 @@ Two parts:
 - :class:`PassTuning` is one pass's side of it: it turns the pass's ``PassStats`` counters into
   windows (one every ``min_batches`` batches and ``min_seconds`` seconds, or ``max_seconds``),
   and the orchestrator applies what the controller decides (``Orchestrator._apply_tuning``).
+  A worker's trial is judged on a double window.
 
 How the controller decides (docs/tuning.md says the same for users):
 
@@ -20,9 +21,9 @@ How the controller decides (docs/tuning.md says the same for users):
   after: the new worker starts during the first). A growth must bring at least ``GAIN`` more
   samples/s (``CONCURRENCY_GAIN`` for concurrency) or leave the consumer fed; a shrink must
   keep ``KEEP`` of the throughput with the consumer still fed. A trial that fails is undone,
-  and the value it left becomes a ceiling (or floor) for the rest of the pass. A knob that
-  turns direction ``MAX_REVERSALS`` times in a pass is settled for that pass. So it cannot
-  oscillate: within a pass each knob makes a bounded number of moves.
+  and the value it left becomes a ceiling (or floor) for ``RETRY_WINDOWS`` windows. A knob
+  that turns direction ``MAX_REVERSALS`` times in a pass is settled for that pass. So it
+  cannot oscillate: within a pass each knob makes a bounded number of moves.
 - Growth order when the consumer waits: concurrency (an async dataset's fetches in flight,
   doubled from 4 up to 256, while it fills at most half of the prefetch x batch size samples
   a worker has to fetch; past that the depth grows first), then workers (only while cores are measured idle and the workers are

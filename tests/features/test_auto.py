@@ -232,3 +232,37 @@ def test_torch_still_validates_integers() -> None:
         aioload.DataLoader(Numbers(), num_workers="many")
     with pytest.raises(ValueError, match="max_memory bounds what"):
         aioload.DataLoader(Numbers(), num_workers=2, max_memory=1 << 30)
+
+
+def test_bench_auto_judges_and_models() -> None:
+    """make bench-auto's verdict (>= 90 % of the grid's best, not below torch's defaults) and
+    the floor model, on made-up figures."""
+    from benchmarks import auto as bench
+
+    def runs(rate: float) -> list[dict[str, Any]]:
+        return [{"ok": True, "items_per_s": rate, "peak_tree_rss_bytes": 1 << 20, "error": ""}]
+
+    summary = bench._summarise(
+        "tiny",
+        {
+            "auto": runs(95.0),
+            "1w x2": runs(60.0),
+            "2w x2": runs(100.0),
+            "torch defaults": runs(50.0),
+        },
+    )
+    assert summary["best"] == "2w x2" and summary["pass"] is True
+    summary = bench._summarise(
+        "tiny", {"auto": runs(80.0), "2w x2": runs(100.0), "torch defaults": runs(50.0)}
+    )
+    assert summary["pass"] is False
+    inputs = {
+        "tiny": {"parent_us": 100.0, "over_us": 0.5, "batch_size": 256},
+        "image": {"parent_us": 150.0, "over_us": 5.0, "batch_size": 64},
+    }
+    rows = {(r["workload"], r["workers"]): r for r in bench.predict(inputs)}
+    # One parent thread hands over a 256-sample batch every 100 us: 2.56M items/s at most.
+    assert rows[("tiny", 14)]["bound"] == "parent"
+    assert rows[("tiny", 14)]["predicted"] == pytest.approx(2.56e6)
+    assert rows[("image", 8)]["bound"] == "workers"
+    assert 0 < rows[("image", 8)]["share"] < 1
