@@ -9,6 +9,7 @@ and the timeout directly; the process-backed suites cover the same paths end to 
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Iterator
@@ -133,12 +134,26 @@ def test_prefetch_bounds_what_is_outstanding() -> None:
     assert all(worker == task % 2 for worker, task in backend.submits)
 
 
+class _AnswersTaskZeroLast(FakeBackend):
+    """Task 0 hangs until every other task has been answered: an order of answers, scripted,
+    not a race between a delay and the clock."""
+
+    def __init__(self, num_workers: int) -> None:
+        super().__init__(num_workers, delay=lambda t: HANG if t == 0 else 0.0)
+
+    def poll(self) -> list[Event]:
+        events = super().poll()
+        if sorted(self.answered) == list(range(1, len(BATCHES))):
+            self.pending = [(-math.inf if p[2] == 0 else p[0], *p[1:]) for p in self.pending]
+        return events
+
+
 def test_in_order_false_yields_as_answers_arrive() -> None:
-    # Task 0 is slow: with in_order=False the others overtake it.
-    backend = FakeBackend(2, delay=lambda t: 0.2 if t == 0 else 0.0)
+    # Task 0 answers last: with in_order=False every other batch overtakes it.
+    backend = _AnswersTaskZeroLast(2)
     got = _drain(_engine(backend, BATCHES, in_order=False))
     assert sorted(map(tuple, got)) == sorted(map(tuple, BATCHES))
-    assert got[0] != BATCHES[0]
+    assert got[-1] == BATCHES[0]
 
 
 def test_a_lost_worker_is_replaced_and_its_tasks_sent_again_exactly_once() -> None:
