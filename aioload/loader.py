@@ -75,7 +75,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         batch_sampler: Draws a list of indices per batch; excludes `batch_size`, `shuffle`,
             `sampler` and `drop_last`.
         num_workers: How many worker processes load the data; 0 loads in the calling process
-            (under `async for`, in a thread, so the loop stays free).
+            (under `async for`, in a thread, so the loop stays free). `"auto"`: aioload
+            chooses the count, and adjusts it while a pass runs from the pass's own
+            measurements (whether the consumer waits for data, whether the workers are busy
+            while cores are idle), at most one worker per usable core; see `max_memory`.
         collate_fn: Merges a list of samples into a batch; runs in the workers. With torch's
             `default_collate` (the default) tensors are stacked straight into shared memory;
             the tensors and arrays of any other `collate_fn`'s result are copied there. Under
@@ -97,6 +100,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         generator: The random generator behind `shuffle`'s order and the workers' base seed.
         prefetch_factor: Batches in flight per worker (default 2 with workers). `0` with
             workers raises `ValueError` (torch accepts it, then fails while iterating).
+            `"auto"`: adjusted while a pass runs, between 1 and 8, when the consumer waits for
+            data while the workers have time to spare.
         persistent_workers: Keep the workers from one pass to the next. A pool that broke is
             replaced on the next pass; `shutdown()` stops the workers at once.
         pin_memory_device: Deprecated by torch and ignored, with torch's warning: pinning
@@ -135,7 +140,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         worker_concurrency: For an async dataset: how many samples each worker fetches at
             once, on its own event loop (with `num_workers=0`, in the calling process).
             Batches still come out complete and in order. Above 1 with a sync dataset it
-            raises `ValueError`.
+            raises `ValueError`. `"auto"`: for an async dataset, adjusted while a pass runs
+            (from 4, doubling up to 256, while the extra fetches in flight bring more samples
+            per second); for a sync dataset, 1.
         workers: Where the `num_workers` workers run: `None` for local processes, or
             `aioload.RayWorkers(...)` for Ray actors on a Ray cluster (needs the `ray` extra).
         on_sample_error: What a sample that fails to load does: `"raise"` (the default, as in
@@ -152,6 +159,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         snapshot_every_n_steps: Accepted for torchdata's `StatefulDataLoader`, whose users
             then change only the import; `None` or a non-negative integer. It changes nothing
             here: `state_dict()` is exact after every batch.
+        max_memory: With `num_workers="auto"` or `prefetch_factor="auto"` (and only with
+            one of them): the most bytes of batches the choice may keep in flight, counted as
+            `(workers x prefetch_factor + 2) x` the bytes of a batch, enforced once a batch's
+            size is known by lowering the prefetch depth first, then the workers. `None`:
+            no bound.
     """
 
     def __init__(
