@@ -32,7 +32,7 @@ run: $(RUN_STAMP)
 lint: install
 	$(VENV)/bin/ruff check aioload benchmarks tests examples
 	$(VENV)/bin/ruff format --check aioload benchmarks tests examples
-	$(VENV)/bin/mypy --strict aioload
+	$(VENV)/bin/mypy --strict
 
 # The docs site (mkdocs-material, API pages from docstrings) into site/; --strict fails on any
 # warning. NO_MKDOCS_2_WARNING silences mkdocs-material's banner about MkDocs 2.0 (we pin <2).

@@ -265,8 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.from_json is not None:
-        meta, rows, _runs = report.load_json(args.from_json)
-        for path in report.write_all(args.from_json.parent, meta, rows, _runs, from_json=True):
+        stored_meta, rows, stored_runs = report.load_json(args.from_json)
+        for path in report.write_all(
+            args.from_json.parent, stored_meta, rows, stored_runs, from_json=True
+        ):
             print(f"wrote {path}")
         return 0
     problem = _check_aioload()
