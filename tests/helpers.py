@@ -146,3 +146,39 @@ def wait_until(condition: Callable[[], bool], timeout: float = 20.0) -> bool:
             return condition()
         time.sleep(0.01)
     return True
+
+
+async def max_stall(
+    loader: Any, each: Callable[[int, Any], None] | None = None
+) -> tuple[float, int]:
+    """Stream ``loader`` with ``async for`` while a 1 ms heartbeat runs on the same loop: the
+    longest gap between two of its ticks, and how many batches came (``each(k, batch)`` sees
+    batch ``k``).
+
+    Measured from the first batch on: while batches stream. Before it the workers start, and
+    fork() holds the GIL for 3-5 ms per worker, which the loop sees as one gap of about 10-15 ms
+    per pool start (measured on the 2-core machine); Ray's actors start likewise.
+    """
+    gaps: list[float] = []
+    done = anyio.Event()
+
+    async def heartbeat() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            await anyio.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    batches = 0
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(heartbeat)
+        await anyio.sleep(0.05)  # let the heartbeat settle before measuring
+        async for batch in loader:
+            if batches == 0:
+                gaps.clear()
+            if each is not None:
+                each(batches, batch)
+            batches += 1
+        done.set()
+    return max(gaps), batches

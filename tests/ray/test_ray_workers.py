@@ -28,6 +28,8 @@ from torch.utils.data import Dataset, IterableDataset
 
 import aioload
 
+from ..helpers import max_stall, within
+from ..scripts import datasets
 from ..scripts.datasets import MallocBatches
 
 INSIDE = os.environ.get("AIOLOAD_RAY_NETNS") == "1"
@@ -68,7 +70,7 @@ def test_ray_workers_in_a_loopback_only_namespace() -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=230,
+        timeout=within(230),  # a hang guard: the folder takes ~140 s on the 2-core machine
     )
     print(done.stdout[-6000:], done.stderr[-3000:])
     assert done.returncode == 0, done.stdout[-6000:]
@@ -118,27 +120,20 @@ def ray_workers(ray_session: Any) -> Iterator[aioload.RayWorkers]:
     """RayWorkers for one test; afterwards, no actor of ours is left alive."""
     yield aioload.RayWorkers(num_cpus=1)
     gc.collect()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + within(10)
     while _alive_actors() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _alive_actors() == [], "actors left behind"
 
 
-class Numbers(Dataset[torch.Tensor]):
-    """Sample i, and the id of the worker that fetched it."""
-
-    def __init__(self, n: int = 40, delay: float = 0.0) -> None:
-        self.n = n
-        self.delay = delay
-
-    def __len__(self) -> int:
-        return self.n
+class Numbers(datasets.Numbers):
+    """Sample i, and the id of the worker that fetched it (after ``delay`` seconds)."""
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        if self.delay:
-            time.sleep(self.delay)
+        sample = super().__getitem__(i)
         info = torch.utils.data.get_worker_info()
-        return torch.tensor([i, -1 if info is None else info.id])
+        sample[1] = -1 if info is None else info.id
+        return sample
 
 
 class Shards(IterableDataset[int]):
@@ -309,7 +304,7 @@ def test_a_killed_actor_without_restarts_names_worker_node_and_indices(
     with pytest.raises(aioload.WorkerDiedError) as info:
         for _ in it:
             pass
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < within(5)  # a hang guard: an unnoticed death hangs
     message = str(info.value)
     assert "DataLoader worker" in message and "Ray actor" in message
     assert "node" in message and "held indices [[" in message
@@ -352,29 +347,13 @@ def test_loop_never_stalls_and_batches_are_mapped_from_the_object_store(
     )
     mappings: list[str] = []
 
+    def look(k: int, batch: torch.Tensor) -> None:
+        if k == 0:
+            mappings.append(_mapping_of(batch.data_ptr()))
+        assert int(batch[0, 0, 0, 0]) == k * 16 % 251
+
     async def one_pass() -> tuple[float, int]:
-        gaps: list[float] = []
-        done = anyio.Event()
-
-        async def heartbeat() -> None:
-            last = time.perf_counter()
-            while not done.is_set():
-                await anyio.sleep(0.001)
-                now = time.perf_counter()
-                gaps.append(now - last)
-                last = now
-
-        batches = 0
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(heartbeat)
-            async for batch in loader:
-                if batches == 0:
-                    gaps.clear()  # from the first batch on: the actors' start is not streaming
-                    mappings.append(_mapping_of(batch.data_ptr()))
-                batches += 1
-                assert int(batch[0, 0, 0, 0]) == (batches - 1) * 16 % 251
-            done.set()
-        return max(gaps), batches
+        return await max_stall(loader, look)
 
     async def three_passes() -> list[tuple[float, int]]:
         return [await one_pass() for _ in range(3)]
@@ -385,6 +364,7 @@ def test_loop_never_stalls_and_batches_are_mapped_from_the_object_store(
     # As for local workers (tests/test_async.py): a one-off scheduling hiccup on a shared 2-core
     # machine is not a stall of ours; the bound must hold in at least one of three passes.
     best = min(stall for stall, _ in results)
+    # The time is the point here (a 20 ms stall is what aioload must never cause): not scaled.
     assert best < 0.020, f"heartbeat stalled {best * 1e3:.1f} ms (runs: {results})"
     # The batch's memory is Ray's object store (a /dev/shm plasma file), not a heap copy that
     # unpickling made: the tensor is a view of the buffer the actor wrote, without a copy.
@@ -486,7 +466,7 @@ def test_two_node_cluster_loses_a_node_mid_epoch(
         assert len([w for w in caught if "replaced it with a new worker" in str(w.message)]) == 1
         del loader
         gc.collect()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + within(10)
         while _alive_actors() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert _alive_actors() == [], "actors left behind"
