@@ -529,8 +529,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         self, resume: PassProgress | None, reuse_workers: bool
     ) -> tuple[list[StreamPoint] | None, bool]:
         """Where each worker's dataset starts a pass that is not resumed, and whether the
-        workers load it: kept workers after a pass that was left early (``break``) fetched
-        batches nobody received, and are rewound to what the consumer got."""
+        workers load it. Kept workers load the state the last pass left them in: after a pass
+        left early (``break``) they had fetched batches nobody received, and are rewound to
+        what the consumer got; a worker started late (its first task) may have skipped the
+        last pass's start, where a resumed pass gave it its state."""
         if resume is not None:
             return None, True
         if self.num_workers == 0:
@@ -538,7 +540,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         latest = self._latest_pass
         if reuse_workers and latest is not None and len(latest.streams) == self.num_workers:
             carried = [point.carried() for point in latest.streams]
-            return carried, not latest.finished and any(p.has_state for p in carried)
+            return carried, any(point.has_state for point in carried)
         return None, False
 
     def _pool_reusable(self) -> bool:

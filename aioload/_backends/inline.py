@@ -57,6 +57,8 @@ class InlineBackend:
         self.task: tuple[int, Any] | None = None
         self.answer: Answer | None = None
         self.plan = PassPlan()
+        # Whether this pass made its fetcher (which loads the plan's checkpointed state).
+        self.fetched = False
         # Where the IterableDataset stream stands after the task just fetched.
         self.stream: StreamState | None = None
         self.is_async = is_async_dataset(spec.dataset, spec.dataset_kind)
@@ -69,6 +71,7 @@ class InlineBackend:
         # thread that fetches, as torch makes it lazily too.
         self.plan = plans[0]
         self.fetcher = None
+        self.fetched = False
 
     def submit(self, worker_id: int, task_id: int, indices: Any) -> None:
         assert self.task is None, "one task at a time in the calling process"
@@ -140,6 +143,7 @@ class InlineBackend:
         spec = self.spec
         try:
             if self.fetcher is None:
+                self.fetched = True
                 self.fetcher = Fetcher(
                     spec.dataset_kind,
                     spec.dataset,
@@ -188,6 +192,7 @@ class InlineBackend:
                 if not self.context_entered and has_async_context(spec.dataset):
                     await spec.dataset.__aenter__()
                     self.context_entered = True
+                self.fetched = True
                 self.fetcher = AsyncFetcher(
                     spec.dataset_kind,
                     spec.dataset,
@@ -210,6 +215,19 @@ class InlineBackend:
 
     def close(self) -> None:
         fetcher, self.fetcher = self.fetcher, None
+        if not self.fetched and self.plan.dataset_state is not None:
+            # A resumed pass that had nothing left to fetch (checkpointed after its last
+            # batch): the dataset is still where the checkpoint had it, for the next pass.
+            self.fetched = True
+            try:
+                self.spec.dataset.load_state_dict(self.plan.dataset_state)
+            except Exception as exc:
+                warnings.warn(
+                    f"aioload: loading the checkpointed state of "
+                    f"{type(self.spec.dataset).__name__} failed: {exc!r}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         if self.is_async and (self.context_entered or fetcher is not None):
             self._close_async(fetcher)
 

@@ -1158,7 +1158,10 @@ def _fake_worker(pool: _transport.WorkerSlabPool, batch: Any) -> Any:
     step.init_error = None
     step.fetch_error = None
     step.iteration_end = False
-    step.fetcher = SimpleNamespace(fetch=lambda indices: _transport.slab_collate(batch))
+    step.point = None
+    step.fetcher = SimpleNamespace(
+        fetch=lambda indices: _transport.slab_collate(batch), point=lambda: None
+    )
     worker: Any = object.__new__(_worker_main._ProcessWorker)
     worker.slabs = pool
     worker.step = step
