@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import statistics
 import sys
@@ -200,7 +201,8 @@ def _markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Benchmarks: auto against hand-set numbers",
         "",
-        f"`make bench-auto` on {machine['cores']} usable cores ({machine['platform']}), "
+        f"`make bench-auto` on {machine['cores']} usable cores ({machine['platform']}; "
+        f"load average {machine.get('load_average', '-')}, the machine's other jobs included), "
         f"{report['rounds']} alternating rounds, {report['min_seconds']} s of steady state "
         "per run, each run a fresh process; medians. items/s counts from the first batch on, "
         "so the controller's first moves count against auto. Peak RSS is the run's process "
@@ -358,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-seconds", type=float, default=3.0)
     parser.add_argument("--workloads", default=",".join(WORKLOAD_NAMES))
     parser.add_argument("--out", default=str(DOCS / "benchmarks-auto"))
+    parser.add_argument("--from-json", help="re-render the page from a run's JSON")
     parser.add_argument(
         "--model",
         action="store_true",
@@ -366,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         return _child(json.loads(args.child))
+    if args.from_json:
+        # Re-render the page from a run's JSON.
+        saved = json.loads(Path(args.from_json).read_text())
+        Path(args.out).with_suffix(".md").write_text(_markdown(saved))
+        return 0
     if args.model:
         inputs = model_inputs(args.rounds, args.min_seconds)
         print(json.dumps(inputs, indent=1))
@@ -381,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.httpserver import object_store
 
     started = time.monotonic()
+    load_before = os.getloadavg()[0]
     results = []
     with contextlib.ExitStack() as servers:
         url = ""
@@ -404,7 +413,11 @@ def main(argv: list[str] | None = None) -> int:
             summary["runs"] = runs
             results.append(summary)
     report = {
-        "machine": {"cores": usable_cores(), "platform": platform.platform()},
+        "machine": {
+            "cores": usable_cores(),
+            "platform": platform.platform(),
+            "load_average": f"{load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end",
+        },
         "rounds": args.rounds,
         "min_seconds": args.min_seconds,
         "grid": {
