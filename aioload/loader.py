@@ -529,18 +529,18 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         self, resume: PassProgress | None, reuse_workers: bool
     ) -> tuple[list[StreamPoint] | None, bool]:
         """Where each worker's dataset starts a pass that is not resumed, and whether the
-        workers load it. Kept workers load the state the last pass left them in: after a pass
-        left early (``break``) they had fetched batches nobody received, and are rewound to
-        what the consumer got; a worker started late (its first task) may have skipped the
-        last pass's start, where a resumed pass gave it its state."""
+        workers load it. Kept workers load the state the last pass left them in (or go back to
+        their first state, where that had none: ``PassPlan.rewind``): after a pass left early
+        (``break``) they had fetched batches nobody received, and are rewound to what the
+        consumer got; a worker started late (its first task) may have skipped the last pass's
+        start, where a resumed pass gave it its state."""
         if resume is not None:
             return None, True
         if self.num_workers == 0:
             return [self._live_point()], False
         latest = self._latest_pass
         if reuse_workers and latest is not None and len(latest.streams) == self.num_workers:
-            carried = [point.carried() for point in latest.streams]
-            return carried, any(point.has_state for point in carried)
+            return [point.carried() for point in latest.streams], True
         return None, False
 
     def _pool_reusable(self) -> bool:

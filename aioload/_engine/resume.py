@@ -765,6 +765,7 @@ def begin_pass(
             samples_seen=point.samples_seen,
             dataset_state=point.dataset_state if load_points else None,
             iter_state=point.iter_state if load_points else None,
+            rewind=reuse_workers,
             ended=point.ended,
             stream_id=rank * num_streams + worker_id,
             shared_seed=shared_seed,

@@ -267,6 +267,10 @@ class PassPlan(NamedTuple):
     # before iter(dataset) (a map-style dataset's before its first fetch), the iterator's after.
     dataset_state: Any = None
     iter_state: Any = None
+    # The pass runs on kept workers, which go back to where the consumer's last batch from
+    # each left its dataset (a pass left early may have gone further): to dataset_state, or,
+    # where that is None, to the state the worker's dataset had when it began its first pass.
+    rewind: bool = False
     # The stream had already run dry when the checkpoint was taken.
     ended: bool = False
     # Which stream this is for seed_per_sample on an IterableDataset: the global worker id

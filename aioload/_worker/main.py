@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import gc
 import importlib.util
 import inspect
@@ -60,7 +61,7 @@ from .._wire.packed import pack_reply, unpack_to_worker
 from ..errors import WorkerError
 from .async_detect import has_async_context, is_async_dataset
 from .datapipes import is_datapipe, reseed, shard_in_worker
-from .fetch import Fetcher, SamplePolicy
+from .fetch import Fetcher, SamplePolicy, is_stateful
 from .heap import HeapPolicy
 from .info import WorkerInfo, _set_worker_info
 
@@ -313,6 +314,10 @@ class WorkerStep:
         self.iteration_end = False
         # Where the dataset stood after the last task run (see ``point_of``).
         self.point: StreamState | None = None
+        # A Stateful dataset's state when this worker began its first pass: where a kept
+        # worker that is rewound to an untouched dataset goes back to (``rewind``).
+        self.pristine: Any = None
+        self.began = False
         # An async worker_init_fn's coroutine, awaited on the worker's loop before any task.
         self.async_init: Any = None
         self.dataset: Any = None
@@ -409,6 +414,7 @@ class WorkerStep:
         self.iteration_end = False
         self.fetcher = None
         try:
+            self.rewind(plan)
             if plan.shared_seed is not None:
                 # Every worker's shuffle seeded alike, anew each pass (an IterDataPipe).
                 reseed(self.dataset, plan.shared_seed)
@@ -424,6 +430,22 @@ class WorkerStep:
         except Exception:
             self.fetch_error = RemoteError(self.config.worker_id)
 
+    def rewind(self, plan: PassPlan) -> None:
+        """Before a pass: note a Stateful dataset's state at this worker's first pass; a kept
+        worker told to rewind (``plan.rewind``) with no state to load had an untouched dataset
+        at the last batch the consumer received from it, and goes back to that state."""
+        if not self.began:
+            self.began = True
+            if is_stateful(self.dataset):
+                try:
+                    self.pristine = copy.deepcopy(self.dataset.state_dict())
+                except Exception:
+                    # (A dataset that is its own iterator may know its state only once
+                    # iterated: nothing to go back to.)
+                    self.pristine = None
+        if plan.rewind and plan.dataset_state is None and self.pristine is not None:
+            self.dataset.load_state_dict(copy.deepcopy(self.pristine))
+
     def new_async_pass(self, plan: PassPlan) -> AsyncFetcher | None:
         from .async_fetch import AsyncFetcher
 
@@ -431,6 +453,7 @@ class WorkerStep:
         self.iteration_end = False
         self.fetcher = None
         try:
+            self.rewind(plan)
             # (A map-style dataset's checkpointed state is loaded here: it may fail.)
             fetcher = AsyncFetcher(
                 self.config.dataset_kind,

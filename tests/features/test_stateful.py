@@ -268,6 +268,73 @@ def test_out_of_order_delivery_keeps_each_workers_state() -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("stop", [0, 2])
+def test_kept_workers_after_a_break_resume_exactly(stop: int) -> None:
+    """A pass left early (``break``) on kept workers: they had fetched batches that were never
+    received. The next pass starts them from what was received, so a checkpoint in it (right
+    after ``iter()``, or two batches in) names exactly what they hold."""
+
+    def make() -> aioload.DataLoader[Any]:
+        return aioload.DataLoader(
+            RngMap(12),
+            batch_size=3,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(1),
+            num_workers=2,
+            persistent_workers=True,
+        )
+
+    def run(checkpoint: bool) -> Epochs:
+        loader = make()
+        iterator = iter(loader)
+        epochs: Epochs = [[_rows(next(iterator))]]  # and break
+        iterator = iter(loader)
+        rows = [_rows(next(iterator)) for _ in range(stop)]
+        if checkpoint:
+            state = json.loads(json.dumps(loader.state_dict()))
+            del iterator
+            _shutdown(loader)
+            loader = make()
+            loader.load_state_dict(state)
+            iterator = iter(loader)
+        epochs.append(rows + [_rows(batch) for batch in iterator])
+        epochs.append([_rows(batch) for batch in loader])
+        _shutdown(loader)
+        return epochs
+
+    assert run(checkpoint=True) == run(checkpoint=False)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("kind", ["map", "iterable"])
+def test_async_for_resumes_as_for_does(kind: str, workers: int) -> None:
+    """The same checkpoint under ``async for``: the batches ``for`` gives, before and after."""
+    import anyio
+
+    make = _maker((kind, workers, False, False))
+    reference = _uninterrupted(make, seed_global=True)
+
+    async def interrupted() -> Epochs:
+        torch.manual_seed(0)
+        loader = make()
+        got: Epochs = [[_rows(batch) async for batch in loader]]
+        async with aiter(loader) as iterator:
+            got.append([_rows(await anext(iterator)) for _ in range(2)])
+            state = json.loads(json.dumps(loader.state_dict()))
+            rng = torch.get_rng_state()
+        torch.manual_seed(1234)
+        resumed = make()
+        resumed.load_state_dict(state)
+        torch.set_rng_state(rng)
+        got[1] += [_rows(batch) async for batch in resumed]
+        got.append([_rows(batch) async for batch in resumed])
+        return got
+
+    assert anyio.run(interrupted) == reference
+
+
+@pytest.mark.timeout(60)
 def test_per_worker_dataset_states_need_the_same_num_workers() -> None:
     """A Stateful dataset's state is per worker: mid-pass it loads only into as many workers
     (StatefulDataLoader refuses any change too). A state with no worker state in it (between
