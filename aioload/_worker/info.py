@@ -10,55 +10,15 @@ import torch.utils.data._utils.worker as torch_worker
 __all__ = ["WorkerInfo", "get_worker_info"]
 
 
-class _GlobalPlace:
-    """The worker's place among all workers of all ranks (``rank`` and ``world_size`` are
-    WorkerInfo's own fields)."""
-
-    __slots__ = ()
-    id: int
-    num_workers: int
-    rank: int
-    world_size: int
-
-    @property
-    def global_id(self) -> int:
-        return self.rank * self.num_workers + self.id
-
-    @property
-    def global_num_workers(self) -> int:
-        return self.world_size * self.num_workers
-
-
-_DOC = """Information about the current aioload worker process.
-
-    A subclass of torch's WorkerInfo with the same fields (``id``, ``num_workers``, ``seed``,
-    ``dataset``, and whatever else the installed torch gives it); inside an aioload worker,
-    ``torch.utils.data.get_worker_info()`` returns the same object, so datasets that shard
-    themselves by worker work unchanged.
-
-    Under ``torch.distributed`` it also carries ``rank`` and ``world_size``, and the worker's
-    place among all workers of all ranks: ``global_id`` (``rank * num_workers + id``) and
-    ``global_num_workers`` (``world_size * num_workers``). An IterableDataset that shards by
-    ``global_id`` gives every sample to exactly one worker of one rank. Without
-    ``torch.distributed`` they equal ``id`` and ``num_workers`` (rank 0 of 1).
-    """
-
 # torch's WorkerInfo is a frozen dataclass from torch 2.12 on (with ``rng`` and
 # ``worker_method`` beside the four fields), and a plain class whose ``__init__(**kwargs)`` sets
 # the attributes and then locks them before that. The subclass takes the same shape as its base.
-if TYPE_CHECKING or dataclasses.is_dataclass(torch_worker.WorkerInfo):
+# (The dataclass comes last: it is the one type checkers and the API docs read.)
+if not (TYPE_CHECKING or dataclasses.is_dataclass(torch_worker.WorkerInfo)):
 
-    @dataclasses.dataclass(frozen=True, slots=True)
-    class WorkerInfo(_GlobalPlace, torch_worker.WorkerInfo):
-        __doc__ = _DOC
-
-        rank: int = 0
-        world_size: int = 1
-
-else:
-
-    class WorkerInfo(_GlobalPlace, torch_worker.WorkerInfo):
-        __doc__ = _DOC
+    class WorkerInfo(torch_worker.WorkerInfo):
+        """Information about the current aioload worker process, for a torch whose WorkerInfo
+        is a plain class (up to 2.11): the same fields and properties as the dataclass."""
 
         def __init__(
             self,
@@ -80,6 +40,47 @@ else:
                 world_size=world_size,
                 **more,
             )
+
+        rank: int
+        world_size: int
+
+        @property
+        def global_id(self) -> int:
+            return self.rank * self.num_workers + self.id
+
+        @property
+        def global_num_workers(self) -> int:
+            return self.world_size * self.num_workers
+
+else:
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class WorkerInfo(torch_worker.WorkerInfo):
+        """Information about the current aioload worker process.
+
+        A subclass of torch's WorkerInfo with the same fields (``id``, ``num_workers``,
+        ``seed``, ``dataset``, and whatever else the installed torch gives it); inside an
+        aioload worker, ``torch.utils.data.get_worker_info()`` returns the same object, so
+        datasets that shard themselves by worker work unchanged.
+
+        Under ``torch.distributed`` it also carries ``rank`` and ``world_size``, and the
+        worker's place among all workers of all ranks: ``global_id``
+        (``rank * num_workers + id``) and ``global_num_workers`` (``world_size * num_workers``).
+        An IterableDataset that shards by ``global_id`` gives every sample to exactly one worker
+        of one rank. Without ``torch.distributed`` they equal ``id`` and ``num_workers`` (rank 0
+        of 1).
+        """
+
+        rank: int = 0
+        world_size: int = 1
+
+        @property
+        def global_id(self) -> int:
+            return self.rank * self.num_workers + self.id
+
+        @property
+        def global_num_workers(self) -> int:
+            return self.world_size * self.num_workers
 
 
 _worker_info: WorkerInfo | None = None
