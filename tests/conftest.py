@@ -1,4 +1,5 @@
-"""Shared fixtures: leak checks that every test which starts workers runs under."""
+"""Shared fixtures: leak checks that every test which starts workers runs under; each test's
+``timeout`` marker scaled by ``AIOLOAD_TEST_TIME_SCALE`` (see ``tests.helpers.within``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,21 @@ import psutil
 import pytest
 
 from aioload._aio import sync_loop as _sync
+from tests.helpers import TIME_SCALE, within
 from tests.leaks import ProcessTree, shm_entries, shm_leaks
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test's ``pytest.mark.timeout(seconds)`` is a hang guard like any other: on a machine
+    ``AIOLOAD_TEST_TIME_SCALE`` times slower it becomes ``within(seconds)``. (The ini's default
+    and ``--timeout`` are left as given.)"""
+    if TIME_SCALE == 1:
+        return
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        if marker is not None and marker.args:
+            scaled = pytest.mark.timeout(within(marker.args[0]), *marker.args[1:], **marker.kwargs)
+            item.add_marker(scaled, append=False)
 
 
 def _children() -> list[psutil.Process]:
