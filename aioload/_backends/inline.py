@@ -144,16 +144,7 @@ class InlineBackend:
         try:
             if self.fetcher is None:
                 self.fetched = True
-                self.fetcher = Fetcher(
-                    spec.dataset_kind,
-                    spec.dataset,
-                    spec.auto_collation,
-                    spec.collate_fn,
-                    spec.drop_last,
-                    self.plan,
-                    in_calling_process=True,
-                    policy=spec.sample_policy,
-                )
+                self.fetcher = Fetcher(spec.fetch_spec(), self.plan, in_calling_process=True)
             batch = self.fetcher.fetch(indices)
             self._record_stream()
             return Batch(batch)
@@ -193,16 +184,7 @@ class InlineBackend:
                     await spec.dataset.__aenter__()
                     self.context_entered = True
                 self.fetched = True
-                self.fetcher = AsyncFetcher(
-                    spec.dataset_kind,
-                    spec.dataset,
-                    spec.auto_collation,
-                    spec.collate_fn,
-                    spec.drop_last,
-                    self.plan,
-                    spec.worker_concurrency,
-                    policy=spec.sample_policy,
-                )
+                self.fetcher = AsyncFetcher(spec.fetch_spec(), self.plan, spec.worker_concurrency)
             batch = await self.fetcher.fetch(indices)
             self._record_stream()
             return Batch(batch)

@@ -839,14 +839,14 @@ def auto_arguments(
     """Validate the "auto" arguments and ``max_memory``; None when there is nothing to tune
     (every number is the user's, and no budget): the loader then behaves exactly as before.
     Integers are left for the usual checks (torch's, and the loader's own)."""
-    for name, value in (
-        ("num_workers", num_workers),
-        ("prefetch_factor", prefetch_factor),
-        ("worker_concurrency", worker_concurrency),
+    for name, value, kind in (
+        ("num_workers", num_workers, "a non-negative"),
+        ("prefetch_factor", prefetch_factor, "a positive"),
+        ("worker_concurrency", worker_concurrency, "a positive"),
     ):
         if isinstance(value, str) and value != AUTO:
             raise ValueError(
-                f"{name} option should be an integer or 'auto', but got {name}={value!r}"
+                f"{name} option should be {kind} integer or 'auto', but got {name}={value!r}"
             )
     if max_memory is not None and (
         isinstance(max_memory, bool) or not isinstance(max_memory, int) or max_memory <= 0

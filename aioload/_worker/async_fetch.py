@@ -40,9 +40,9 @@ from .async_detect import batched_hook as _batched_hook
 from .async_detect import has_async_context, is_async_dataset
 from .fetch import (
     BaseFetcher,
+    FetchSpec,
     Gathered,
     RngStates,
-    SamplePolicy,
     _Failed,
     _record,
     _seed_all,
@@ -170,20 +170,10 @@ class AsyncFetcher(BaseFetcher):
     """``Fetcher``'s counterpart for async datasets. At most ``concurrency`` per-index fetches
     of this fetcher are in flight at once, across every batch it is gathering."""
 
-    def __init__(
-        self,
-        dataset_kind: int,
-        dataset: Any,
-        auto_collation: bool,
-        collate_fn: Any,
-        drop_last: bool,
-        plan: PassPlan,
-        concurrency: int = 1,
-        policy: SamplePolicy | None = None,
-    ) -> None:
-        super().__init__(dataset_kind, dataset, auto_collation, collate_fn, drop_last, plan, policy)
+    def __init__(self, spec: FetchSpec, plan: PassPlan, concurrency: int = 1) -> None:
+        super().__init__(spec, plan)
         self.concurrency = concurrency
-        self.batched = None if self.iterable else _batched_hook(dataset)
+        self.batched = None if self.iterable else _batched_hook(spec.dataset)
         self.started = False
         # Made on first use: an anyio semaphore belongs to the loop (and backend) it is used on.
         self._slots: anyio.Semaphore | None = None

@@ -266,21 +266,27 @@ class RngStates:
         np.random.set_state(self.numpy)
 
 
+class FetchSpec(NamedTuple):
+    """What every fetcher of one worker is made from, pass after pass: the dataset and how its
+    samples become batches. Built once where the worker is set up (``WorkerStep``, or
+    ``InlineBackend`` for the calling process); each pass adds its ``PassPlan``."""
+
+    dataset_kind: int
+    dataset: Any
+    auto_collation: bool
+    collate_fn: Any
+    drop_last: bool
+    policy: SamplePolicy | None = None
+
+
 class BaseFetcher:
     """What the sync and the async fetcher share: the dataset and how to batch it, the pass's
     plan, the seed of a sample, and where an IterableDataset's stream stands."""
 
-    def __init__(
-        self,
-        dataset_kind: int,
-        dataset: Any,
-        auto_collation: bool,
-        collate_fn: Any,
-        drop_last: bool,
-        plan: PassPlan,
-        policy: SamplePolicy | None = None,
-    ) -> None:
-        self.iterable = dataset_kind == 1
+    def __init__(self, spec: FetchSpec, plan: PassPlan) -> None:
+        dataset, collate_fn, auto_collation = spec.dataset, spec.collate_fn, spec.auto_collation
+        drop_last, policy = spec.drop_last, spec.policy
+        self.iterable = spec.dataset_kind == 1
         self.dataset = dataset
         self.auto_collation = auto_collation
         self.collate_fn = collate_fn
@@ -487,18 +493,10 @@ class Fetcher(BaseFetcher):
     resumable streams. ``fetch`` raises StopIteration when an iterable stream is done."""
 
     def __init__(
-        self,
-        dataset_kind: int,
-        dataset: Any,
-        auto_collation: bool,
-        collate_fn: Any,
-        drop_last: bool,
-        plan: PassPlan,
-        *,
-        in_calling_process: bool = False,
-        policy: SamplePolicy | None = None,
+        self, spec: FetchSpec, plan: PassPlan, *, in_calling_process: bool = False
     ) -> None:
-        super().__init__(dataset_kind, dataset, auto_collation, collate_fn, drop_last, plan, policy)
+        super().__init__(spec, plan)
+        dataset, collate_fn, auto_collation = spec.dataset, spec.collate_fn, spec.auto_collation
         self.restore_rng = self.seeded and in_calling_process
         # default_collate's samples are copied into the slab as they come (aioload._worker.stacking),
         # where there is a slab: in a worker, collating with aioload's own default_collate.

@@ -61,7 +61,7 @@ from .._wire.packed import pack_reply, unpack_to_worker
 from ..errors import WorkerError
 from .async_detect import has_async_context, is_async_dataset
 from .datapipes import is_datapipe, reseed, shard_in_worker
-from .fetch import Fetcher, SamplePolicy, is_stateful
+from .fetch import Fetcher, FetchSpec, SamplePolicy, is_stateful
 from .heap import HeapPolicy
 from .info import WorkerInfo, _set_worker_info
 
@@ -407,6 +407,18 @@ class WorkerStep:
         """Whether a Reset still concerns this worker (not superseded, setup fine)."""
         return reset.generation >= self.generation and self.init_error is None
 
+    def fetch_spec(self) -> FetchSpec:
+        """What this worker's fetchers are made from (its dataset and collate, as set up)."""
+        config = self.config
+        return FetchSpec(
+            config.dataset_kind,
+            self.dataset,
+            config.auto_collation,
+            self.collate_fn,
+            config.drop_last,
+            config.sample_policy,
+        )
+
     def new_pass(self, plan: PassPlan) -> None:
         # An IterableDataset's __iter__ runs here, once per pass: its failure is this pass's,
         # and the next pass tries again.
@@ -418,15 +430,7 @@ class WorkerStep:
             if plan.shared_seed is not None:
                 # Every worker's shuffle seeded alike, anew each pass (an IterDataPipe).
                 reseed(self.dataset, plan.shared_seed)
-            self.fetcher = Fetcher(
-                self.config.dataset_kind,
-                self.dataset,
-                self.config.auto_collation,
-                self.collate_fn,
-                self.config.drop_last,
-                plan,
-                policy=self.config.sample_policy,
-            )
+            self.fetcher = Fetcher(self.fetch_spec(), plan)
         except Exception:
             self.fetch_error = RemoteError(self.config.worker_id)
 
@@ -455,16 +459,7 @@ class WorkerStep:
         try:
             self.rewind(plan)
             # (A map-style dataset's checkpointed state is loaded here: it may fail.)
-            fetcher = AsyncFetcher(
-                self.config.dataset_kind,
-                self.dataset,
-                self.config.auto_collation,
-                self.collate_fn,
-                self.config.drop_last,
-                plan,
-                self.concurrency,
-                policy=self.config.sample_policy,
-            )
+            fetcher = AsyncFetcher(self.fetch_spec(), plan, self.concurrency)
         except Exception:
             self.fetch_error = RemoteError(self.config.worker_id)
             return None

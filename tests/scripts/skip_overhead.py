@@ -20,7 +20,7 @@ import torch
 
 import aioload
 from aioload._wire.messages import PassPlan
-from aioload._worker.fetch import Fetcher, SamplePolicy
+from aioload._worker.fetch import Fetcher, FetchSpec, SamplePolicy
 from benchmarks.workloads import TinyDataset
 
 MODES = ("raise", "skip")
@@ -55,15 +55,15 @@ def loader_run(mode: str, samples: int, batch_size: int, workers: int) -> tuple[
 
 def fetch_seconds(mode: str, batch_size: int, batches: int) -> float:
     """Seconds per batch of the fetch step alone (fetch + default_collate)."""
-    fetcher = Fetcher(
-        0,
-        TinyDataset(batch_size * batches),
-        True,
-        torch.utils.data.default_collate,
-        False,
-        PassPlan(),
+    spec = FetchSpec(
+        dataset_kind=0,
+        dataset=TinyDataset(batch_size * batches),
+        auto_collation=True,
+        collate_fn=torch.utils.data.default_collate,
+        drop_last=False,
         policy=SamplePolicy(mode),
     )
+    fetcher = Fetcher(spec, PassPlan())
     indices = [list(range(b * batch_size, (b + 1) * batch_size)) for b in range(batches)]
     started = time.perf_counter()
     for batch in indices:

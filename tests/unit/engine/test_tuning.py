@@ -379,8 +379,8 @@ def test_auto_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
-        (("many", None, 1, None), "num_workers option should be an integer or 'auto'"),
-        ((2, "deep", 1, None), "prefetch_factor option should be an integer or 'auto'"),
+        (("many", None, 1, None), "num_workers option should be a non-negative integer or 'auto'"),
+        ((2, "deep", 1, None), "prefetch_factor option should be a positive integer or 'auto'"),
         ((2, None, 1, -5), "max_memory option should be None or a positive number"),
         ((2, None, 1, 1 << 30), "max_memory bounds what"),
         ((0, "auto", 1, None), "prefetch_factor option could only be specified"),
