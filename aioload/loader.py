@@ -32,7 +32,9 @@ from ._engine.resume import (
     begin_pass,
     check_generator_count,
     generator_states,
+    next_points,
     parse_state,
+    start_points,
 )
 from ._engine.tuning import PassTuning, auto_arguments
 from ._worker.async_detect import is_async_dataset
@@ -497,51 +499,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             iterable=iterable,
             num_streams=max(1, self.num_workers),
             drew_base_seed=not reusable,
-            streams=self._next_points(reusable),
+            streams=next_points(self.num_workers, self.dataset, self._latest_pass, reusable),
             worker_seed=self._pool_seed if reusable else None,
             sampler=None if iterable else SamplerStack(self._index_sampler).state_now(),
         )
-
-    def _next_points(self, reusable: bool) -> list[StreamPoint]:
-        """Where each worker's dataset starts the next pass: in this process
-        (``num_workers=0``), as the dataset is now; on kept workers, as the last pass left
-        them (what it yielded); on fresh workers, untouched."""
-        if self.num_workers == 0:
-            return [self._live_point()]
-        latest = self._latest_pass
-        if reusable and latest is not None and len(latest.streams) == self.num_workers:
-            return [point.carried() for point in latest.streams]
-        return [StreamPoint() for _ in range(self.num_workers)]
-
-    def _live_point(self) -> StreamPoint:
-        """The state of the dataset in this process, if it is Stateful (and can say)."""
-        dataset = self.dataset
-        if not is_stateful(dataset):
-            return StreamPoint()
-        try:
-            state = dataset.state_dict()  # type: ignore[attr-defined]
-        except Exception:
-            # (A dataset that is its own iterator may know its state only once iterated.)
-            return StreamPoint()
-        return StreamPoint(dataset_state=copy.deepcopy(state))
-
-    def _start_points(
-        self, resume: PassProgress | None, reuse_workers: bool
-    ) -> tuple[list[StreamPoint] | None, bool]:
-        """Where each worker's dataset starts a pass that is not resumed, and whether the
-        workers load it. Kept workers load the state the last pass left them in (or go back to
-        their first state, where that had none: ``PassPlan.rewind``): after a pass left early
-        (``break``) they had fetched batches nobody received, and are rewound to what the
-        consumer got; a worker started late (its first task) may have skipped the last pass's
-        start, where a resumed pass gave it its state."""
-        if resume is not None:
-            return None, True
-        if self.num_workers == 0:
-            return [self._live_point()], False
-        latest = self._latest_pass
-        if reuse_workers and latest is not None and len(latest.streams) == self.num_workers:
-            return [point.carried() for point in latest.streams], True
-        return None, False
 
     def _pool_reusable(self) -> bool:
         """Whether the next pass runs on the live persistent workers (and so draws no seed)."""
@@ -719,7 +680,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         reuse_workers = self._pool_reusable()
         if self._tuner is not None:
             self._begin_tuned_pass(resume, reuse_workers)
-        points, load_points = self._start_points(resume, reuse_workers)
+        points, load_points = start_points(
+            self.num_workers, self.dataset, self._latest_pass, resume, reuse_workers
+        )
         start = begin_pass(
             epoch=epoch,
             resume=resume,

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import copy
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -53,8 +54,11 @@ __all__ = [
     "YieldedPositions",
     "batches_of",
     "begin_pass",
+    "live_point",
+    "next_points",
     "numbered_batches",
     "parse_state",
+    "start_points",
 ]
 
 FORMAT = "aioload.DataLoader/2"
@@ -853,3 +857,60 @@ def _primed(sampler_iter: Iterator[Any]) -> Iterator[Any]:
     if first is _NOTHING:
         return iter(())
     return itertools.chain((first,), sampler_iter)
+
+
+# -- where each worker's dataset starts a pass ------------------------------------------------
+
+
+def live_point(dataset: Any) -> StreamPoint:
+    """The state of the dataset in this process, if it is Stateful (and can say)."""
+    if not is_stateful(dataset):
+        return StreamPoint()
+    try:
+        state = dataset.state_dict()
+    except Exception:
+        # (A dataset that is its own iterator may know its state only once iterated.)
+        return StreamPoint()
+    return StreamPoint(dataset_state=copy.deepcopy(state))
+
+
+def _kept_points(
+    num_workers: int, latest: PassProgress | None, reusable: bool
+) -> list[StreamPoint] | None:
+    """Where kept workers stand: as the last pass left them (what it yielded)."""
+    if reusable and latest is not None and len(latest.streams) == num_workers:
+        return [point.carried() for point in latest.streams]
+    return None
+
+
+def next_points(
+    num_workers: int, dataset: Any, latest: PassProgress | None, reusable: bool
+) -> list[StreamPoint]:
+    """Where each worker's dataset starts the next pass: in this process
+    (``num_workers=0``), as the dataset is now; on kept workers, as the last pass left
+    them; on fresh workers, untouched."""
+    if num_workers == 0:
+        return [live_point(dataset)]
+    kept = _kept_points(num_workers, latest, reusable)
+    return kept if kept is not None else [StreamPoint() for _ in range(num_workers)]
+
+
+def start_points(
+    num_workers: int,
+    dataset: Any,
+    latest: PassProgress | None,
+    resume: PassProgress | None,
+    reuse_workers: bool,
+) -> tuple[list[StreamPoint] | None, bool]:
+    """Where each worker's dataset starts a pass that is not resumed, and whether the
+    workers load it. Kept workers load the state the last pass left them in (or go back to
+    their first state, where that had none: ``PassPlan.rewind``): after a pass left early
+    (``break``) they had fetched batches nobody received, and are rewound to what the
+    consumer got; a worker started late (its first task) may have skipped the last pass's
+    start, where a resumed pass gave it its state."""
+    if resume is not None:
+        return None, True
+    if num_workers == 0:
+        return [live_point(dataset)], False
+    kept = _kept_points(num_workers, latest, reuse_workers)
+    return (kept, True) if kept is not None else (None, False)
