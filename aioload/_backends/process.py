@@ -13,6 +13,8 @@ under ``for``, an epoll of its own under ``async for``), and on everything else 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -22,6 +24,7 @@ import selectors
 import signal
 import socket
 import time
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -134,8 +137,40 @@ def _payload(objects: tuple[Any, Any, Any], forking: bool) -> tuple[Any, Any, An
         if "inheritance" not in str(error):
             raise _unpicklable(objects, error) from error
         return objects
-    except Exception as error:  # pickle's own errors: PicklingError, TypeError, AttributeError
+    except (TypeError, AttributeError, pickle.PicklingError) as error:
+        # The errors torch's loader warns about as it starts a worker, where it does.
+        _warn_as_torch_on_pickle_error()
         raise _unpicklable(objects, error) from error
+    except Exception as error:
+        raise _unpicklable(objects, error) from error
+
+
+# What torch's loader warns (from torch 2.11) when a worker's arguments cannot be pickled.
+_TORCH_PICKLE_WARNING = (
+    "Got pickle error when attempting to start a worker Process. "
+    "This might be because the worker Process arguments are not picklable. "
+    "Python 3.14+ changed the multiprocessing start method in non-Mac POSIX platforms "
+    "to 'forkserver', which requires the worker Process arguments to be picklable. "
+    "You can also try multiprocessing.set_start_method('fork')."
+)
+
+
+@functools.cache
+def _torch_warns_on_pickle_error() -> bool:
+    """Whether the installed torch's loader gives that warning: read from its source, once,
+    and only when a pickle has failed (a feature, not a version, is asked about)."""
+    from torch.utils.data import dataloader
+
+    try:
+        source = inspect.getsource(dataloader._MultiProcessingDataLoaderIter)
+    except (OSError, TypeError):
+        return False
+    return "Got pickle error when attempting to start a worker Process" in source
+
+
+def _warn_as_torch_on_pickle_error() -> None:
+    if _torch_warns_on_pickle_error():
+        warnings.warn(_TORCH_PICKLE_WARNING, stacklevel=3)
 
 
 _PICKLED = ("the dataset", "collate_fn", "worker_init_fn")

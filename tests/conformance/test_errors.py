@@ -217,3 +217,27 @@ def test_errors_cross_a_process_boundary(
         raised = _raised(lambda loader=loader: list(loader))
         copy = pickle.loads(pickle.dumps(raised.error))
         assert type(copy) is raised.type and str(copy) == raised.message
+
+
+def test_an_unpicklable_argument_under_spawn_warns_as_torch_does(
+    loader_cls: type[Any], reference: Reference, stop_mp_helpers: None
+) -> None:
+    # A lambda collate_fn cannot reach a spawned worker. The installed torch decides whether a
+    # warning comes with the error (torch's loader gives one from 2.11); the error's type is
+    # pickle's either way (aioload's message names the argument on top of pickle's).
+    def scenario(cls: type[Any]) -> tuple[type[BaseException] | None, list[str]]:
+        loader = cls(
+            Indices(8),
+            batch_size=2,
+            num_workers=1,
+            collate_fn=lambda batch: batch,
+            multiprocessing_context="spawn",
+        )
+        result = outcome(lambda: next(iter(loader)))
+        pickle_warnings = [w for w in result.warnings if "pickle error" in w]
+        return (result.raised.type if result.raised else None), pickle_warnings
+
+    got = reference.run(scenario)
+    expected = reference(scenario)
+    assert got[0] is not None and issubclass(got[0], expected[0] or Exception)
+    assert got[1] == expected[1]
