@@ -9,11 +9,13 @@ Datasets live in ``tests.scripts.datasets`` (importable by module path, which ``
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,22 @@ def run_fresh(script: str, *args: str, timeout: float = 100) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+def ray_namespace_problem() -> str | None:
+    """Why Ray cannot run here in a private network namespace with nothing but loopback (Ray
+    binds to the machine's external interface; tests/ray and the Ray example run in one), or
+    None where it can."""
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return "no unshare or ip command to make a loopback-only network namespace"
+    probe = subprocess.run(
+        ["unshare", "-n", "sh", "-c", "ip link set lo up"], capture_output=True, text=True
+    )
+    if probe.returncode != 0:
+        return f"cannot make a private network namespace here: {probe.stderr.strip()}"
+    if importlib.util.find_spec("ray") is None:
+        return "ray is not installed (pip install 'aioload[ray]')"
+    return None
+
+
 def run_on(backend: str, fn: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
     """Run ``fn()`` on a fresh event loop: ``"asyncio"``, ``"uvloop"`` or ``"trio"``."""
     if backend == "asyncio":
@@ -71,6 +89,55 @@ def run_on(backend: str, fn: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
     if backend == "trio":
         return anyio.run(fn, backend="trio")
     raise ValueError(f"unknown backend {backend!r}")
+
+
+def batches_and_errors(
+    iterable: Iterable[Any],
+    catch: tuple[type[BaseException], ...] = (Exception,),
+    limit: int | None = None,
+) -> list[Any]:
+    """One pass of ``for`` over ``iterable``: every batch, with each exception of a ``catch``
+    type in its place (the pass goes on after it, as torch's does). With ``limit``, an iterator
+    that keeps raising fails the test instead of looping forever."""
+    out: list[Any] = []
+    it = iter(iterable)
+    while True:
+        assert limit is None or len(out) <= limit, "the iterator does not end"
+        try:
+            out.append(next(it))
+        except StopIteration:
+            return out
+        except catch as exc:
+            out.append(exc)
+
+
+def consume(loader: Any, mode: str, pause: float = 0.0, stop_after: int | None = None) -> int:
+    """Iterate with ``for`` (``mode="sync"``) or ``async for`` (``"async"``, on anyio's default
+    loop), sleeping ``pause`` s per batch and stopping after ``stop_after`` batches; how many
+    batches it saw."""
+
+    def body(count: int) -> bool:
+        if pause:
+            time.sleep(pause)
+        return stop_after is not None and count >= stop_after
+
+    if mode == "sync":
+        seen = 0
+        for _batch in loader:
+            seen += 1
+            if body(seen):
+                break
+        return seen
+
+    async def run() -> int:
+        seen = 0
+        async for _batch in loader:
+            seen += 1
+            if body(seen):
+                break
+        return seen
+
+    return int(anyio.run(run))
 
 
 def values(batches: list[Any]) -> list[list[int]]:

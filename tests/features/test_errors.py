@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import IterableDataset, SequentialSampler
 
 import aioload
-from tests.helpers import values, wait_no_children, within
+from tests.helpers import batches_and_errors, values, wait_no_children, within
 from tests.scripts import datasets
 from tests.scripts.datasets import (
     DiesAt,
@@ -48,16 +48,7 @@ def _epoch(loader: Any, api: str, catch: tuple[type[BaseException], ...] = ()) -
     Bounded, so an iterator that keeps raising cannot loop forever."""
     limit = len(loader) + 5
     if api == "sync":
-        out: list[Any] = []
-        it = iter(loader)
-        while True:
-            assert len(out) <= limit, "the iterator does not end"
-            try:
-                out.append(next(it))
-            except StopIteration:
-                return out
-            except catch as exc:
-                out.append(exc)
+        return batches_and_errors(loader, catch, limit)
 
     async def main() -> list[Any]:
         out: list[Any] = []

@@ -5,15 +5,14 @@ from __future__ import annotations
 import gc
 import io
 from collections.abc import Iterator
-from typing import Any
 
-import anyio
 import pytest
 import torch
 from torch.utils.data import IterableDataset
 from tqdm import tqdm
 
 import aioload
+from tests.helpers import batches_and_errors, consume
 from tests.scripts.datasets import Scalars
 
 pytestmark = pytest.mark.timeout(60)
@@ -36,26 +35,6 @@ def _no_bar_left_open() -> Iterator[None]:
     assert _open_bars() == before, "a progress bar was left open"
 
 
-def _run(wrapped: Any, mode: str, stop_after: int | None = None) -> int:
-    if mode == "sync":
-        seen = 0
-        for _batch in wrapped:
-            seen += 1
-            if seen == stop_after:
-                break
-        return seen
-
-    async def run() -> int:
-        seen = 0
-        async for _batch in wrapped:
-            seen += 1
-            if seen == stop_after:
-                break
-        return seen
-
-    return anyio.run(run)
-
-
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_bar_counts_batches_and_shows_data_bound(
@@ -63,7 +42,7 @@ def test_bar_counts_batches_and_shows_data_bound(
 ) -> None:
     out = io.StringIO()
     loader = aioload.DataLoader(Scalars(40), batch_size=4, num_workers=num_workers)
-    assert _run(aioload.progress(loader, file=out, desc="train"), mode) == 10
+    assert consume(aioload.progress(loader, file=out, desc="train"), mode) == 10
     text = out.getvalue()
     assert "train" in text and "10/10" in text
     assert "batch/s" in text
@@ -75,7 +54,7 @@ def test_bar_counts_batches_and_shows_data_bound(
 def test_bar_closes_on_break(mode: str, no_leaks: None) -> None:
     out = io.StringIO()
     loader = aioload.DataLoader(Scalars(400), batch_size=4, num_workers=2)
-    assert _run(aioload.progress(loader, file=out), mode, stop_after=3) == 3
+    assert consume(aioload.progress(loader, file=out), mode, stop_after=3) == 3
     assert "3/100" in out.getvalue()
 
 
@@ -84,7 +63,7 @@ def test_bar_closes_on_error(mode: str, no_leaks: None) -> None:
     out = io.StringIO()
     loader = aioload.DataLoader(Scalars(40, fail_at=9), batch_size=4, num_workers=2)
     with pytest.raises(ValueError, match="bad sample 9"):
-        _run(aioload.progress(loader, file=out), mode)
+        consume(aioload.progress(loader, file=out), mode)
     assert "2/10" in out.getvalue()
 
 
@@ -93,9 +72,9 @@ def test_progress_option_on_the_loader(
     mode: str, capsys: pytest.CaptureFixture[str], no_leaks: None
 ) -> None:
     loader = aioload.DataLoader(Scalars(12), batch_size=4, num_workers=2, progress=True)
-    assert _run(loader, mode) == 3
+    assert consume(loader, mode) == 3
     # A loader that draws its own bar is not wrapped in a second one.
-    assert _run(aioload.progress(loader), mode) == 3
+    assert consume(aioload.progress(loader), mode) == 3
     err = capsys.readouterr().err
     assert err.count("3/3") == 2
     assert "data-bound" in err
@@ -104,7 +83,7 @@ def test_progress_option_on_the_loader(
 def test_without_length_the_bar_has_no_total(no_leaks: None) -> None:
     out = io.StringIO()
     loader = aioload.DataLoader(Stream(), batch_size=4, num_workers=0)
-    assert _run(aioload.progress(loader, file=out), "sync") == 2
+    assert consume(aioload.progress(loader, file=out), "sync") == 2
     assert "2batch" in out.getvalue().replace(" ", "")
     assert "/2" not in out.getvalue()
 
@@ -112,7 +91,7 @@ def test_without_length_the_bar_has_no_total(no_leaks: None) -> None:
 def test_wraps_torchs_loader_too() -> None:
     out = io.StringIO()
     loader = torch.utils.data.DataLoader(Scalars(8), batch_size=4)
-    assert _run(aioload.progress(loader, file=out), "sync") == 2
+    assert consume(aioload.progress(loader, file=out), "sync") == 2
     assert "2/2" in out.getvalue()
     assert "data-bound" not in out.getvalue()
     assert len(aioload.progress(loader)) == 2
@@ -123,16 +102,9 @@ def test_bar_survives_a_recoverable_dataset_error(num_workers: int, no_leaks: No
     out = io.StringIO()
     loader = aioload.DataLoader(Scalars(40, fail_at=9), batch_size=4, num_workers=num_workers)
     iterator = iter(aioload.progress(loader, file=out, mininterval=0))
-    batches = errors = 0
-    while True:
-        try:
-            next(iterator)
-            batches += 1
-        except StopIteration:
-            break
-        except ValueError:
-            errors += 1
-    assert (batches, errors) == (9, 1)
+    got = batches_and_errors(iterator, (ValueError,))
+    errors = sum(isinstance(x, ValueError) for x in got)
+    assert (len(got) - errors, errors) == (9, 1)
     assert iterator._bar.bar.n == 9  # type: ignore[attr-defined]  # counting went on
     assert iterator._bar.closed  # type: ignore[attr-defined]
     assert "9/10" in out.getvalue()

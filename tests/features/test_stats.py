@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset
@@ -18,6 +17,7 @@ import aioload
 import aioload.loader
 from aioload._engine.pinning import Transfer
 from aioload.stats import RESERVOIR_SIZE, PassStats
+from tests.helpers import consume
 from tests.scripts.datasets import KillsItselfOnce, Numbers
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,33 +34,6 @@ class Shards(IterableDataset[torch.Tensor]):
         worker, count = (info.id, info.num_workers) if info is not None else (0, 1)
         for i in range(worker, self.n, count):
             yield torch.tensor(i)
-
-
-def _consume(loader: Any, mode: str, pause: float = 0.0, stop_after: int | None = None) -> int:
-    """Iterate with ``for`` or ``async for``; sleeps ``pause`` per batch; returns batches seen."""
-
-    def body(count: int) -> bool:
-        if pause:
-            time.sleep(pause)
-        return stop_after is not None and count >= stop_after
-
-    if mode == "sync":
-        seen = 0
-        for _batch in loader:
-            seen += 1
-            if body(seen):
-                break
-        return seen
-
-    async def run() -> int:
-        seen = 0
-        async for _batch in loader:
-            seen += 1
-            if body(seen):
-                break
-        return seen
-
-    return anyio.run(run)
 
 
 MODES = ["sync", "async"]
@@ -81,7 +54,7 @@ def test_empty_before_any_iteration() -> None:
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_counts_are_what_was_yielded(mode: str, num_workers: int, no_leaks: None) -> None:
     loader = aioload.DataLoader(Numbers(37), batch_size=4, num_workers=num_workers)
-    assert _consume(loader, mode) == 10
+    assert consume(loader, mode) == 10
     stats = loader.stats()
     assert (stats.batches, stats.samples) == (10, 37)
     assert not stats.running
@@ -94,7 +67,7 @@ def test_counts_are_what_was_yielded(mode: str, num_workers: int, no_leaks: None
 @pytest.mark.parametrize("mode", MODES)
 def test_counts_after_break_exclude_prefetched_batches(mode: str, no_leaks: None) -> None:
     loader = aioload.DataLoader(Numbers(400), batch_size=4, num_workers=2, prefetch_factor=4)
-    assert _consume(loader, mode, stop_after=3) == 3
+    assert consume(loader, mode, stop_after=3) == 3
     stats = loader.stats()
     assert (stats.batches, stats.samples) == (3, 12)
     assert not stats.running  # the abandoned pass was closed
@@ -136,7 +109,7 @@ def test_no_automatic_batching_counts_one_sample_per_item(no_leaks: None) -> Non
 def test_slow_dataset_is_data_bound(mode: str, num_workers: int, no_leaks: None) -> None:
     delay = 0.025  # 0.1 s a batch of 4: waiting is at least 0.4 s, between is a loop's overhead
     loader = aioload.DataLoader(Numbers(32, delay=delay), batch_size=4, num_workers=num_workers)
-    _consume(loader, mode)
+    consume(loader, mode)
     stats = loader.stats()
     assert stats.data_bound_pct is not None and stats.data_bound_pct > 80, str(stats)
     assert stats.waiting_s > stats.between_s
@@ -159,7 +132,7 @@ def test_slow_consumer_is_not_data_bound(mode: str, num_workers: int, no_leaks: 
         # not the time a busy machine takes to start two processes.
         if num_workers:
             list(loader)
-        _consume(loader, mode, pause=0.03)
+        consume(loader, mode, pause=0.03)
         stats = loader.stats()
     finally:
         loader.shutdown()
@@ -186,7 +159,7 @@ def test_worker_figures_are_consistent(no_leaks: None) -> None:
 def test_queue_depths(no_leaks: None) -> None:
     # A slow consumer lets the workers fill the whole prefetch budget (2 workers x 3 tasks).
     loader = aioload.DataLoader(Numbers(60), batch_size=2, num_workers=2, prefetch_factor=3)
-    _consume(loader, "sync", pause=0.01)
+    consume(loader, "sync", pause=0.01)
     stats = loader.stats()
     assert stats.in_flight_mean is not None and stats.waiting_in_order_mean is not None
     # Between "sent" and "yielded" there are at most 6 tasks, the one being yielded included.
@@ -218,7 +191,7 @@ def test_persistent_workers_count_per_pass(no_leaks: None) -> None:
     try:
         list(loader)
         first = loader.stats()
-        _consume(loader, "sync", stop_after=2)
+        consume(loader, "sync", stop_after=2)
         second = loader.stats()
     finally:
         loader.shutdown()

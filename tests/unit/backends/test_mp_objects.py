@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import Dataset
 
 import aioload
+from tests.helpers import batches_and_errors
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -139,19 +140,9 @@ def test_getitem_error_keeps_torchs_type_and_message(stop_mp_helpers: None) -> N
     loader = aioload.DataLoader(
         FailsAt(context, 8, bad=5), batch_size=2, num_workers=1, multiprocessing_context=context
     )
-    seen: list[int] = []
-    errors: list[str] = []
-    it = iter(loader)
-    while True:
-        try:
-            batch = next(it)
-        except StopIteration:
-            break
-        except ValueError as error:
-            errors.append(str(error))
-            continue
-        seen.extend(int(row[0]) for row in batch)
-    del it
+    out = batches_and_errors(loader, (ValueError,))
+    errors = [str(x) for x in out if isinstance(x, ValueError)]
+    seen = [int(row[0]) for batch in out if not isinstance(batch, ValueError) for row in batch]
     # Batch [4, 5] failed in worker 0, and the pass went on, as in torch.
     assert seen == [0, 1, 2, 3, 6, 7]
     assert len(errors) == 1
