@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import ray_namespace_problem
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 # Lines each known example must print (regular substrings); others must print something.
@@ -48,23 +50,6 @@ EXPECTED: dict[str, list[str]] = {
 IN_LOOPBACK_NAMESPACE = {"ray_cluster.py"}
 
 
-def _namespace_problem() -> str | None:
-    import shutil
-
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        return "no unshare or ip command to make a loopback-only network namespace"
-    probe = subprocess.run(
-        ["unshare", "-n", "sh", "-c", "ip link set lo up"], capture_output=True, text=True
-    )
-    if probe.returncode != 0:
-        return f"cannot make a private network namespace here: {probe.stderr.strip()}"
-    import importlib.util
-
-    if importlib.util.find_spec("ray") is None:
-        return "ray is not installed (pip install 'aioload[ray]')"
-    return None
-
-
 def _example_files() -> list[Path]:
     return sorted(EXAMPLES.glob("*.py"))
 
@@ -75,7 +60,7 @@ def test_example_runs(path: Path, tmp_path: Path) -> None:
     env = dict(os.environ, AIOLOAD_EXAMPLE_SMALL="1", AIOLOAD_EXAMPLE_DATA=str(tmp_path))
     command = [sys.executable, str(path)]
     if path.name in IN_LOOPBACK_NAMESPACE:
-        problem = _namespace_problem()
+        problem = ray_namespace_problem()
         if problem is not None:
             pytest.skip(problem)
         env["RAY_ADDRESS"] = ""

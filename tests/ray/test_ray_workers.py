@@ -28,7 +28,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 import aioload
 
-from ..helpers import max_stall, within
+from ..helpers import max_stall, ray_namespace_problem, within
 from ..scripts import datasets
 from ..scripts.datasets import MallocBatches
 
@@ -37,25 +37,10 @@ REPO = Path(__file__).resolve().parents[2]
 inner = pytest.mark.skipif(not INSIDE, reason="runs inside the private network namespace")
 
 
-def _namespace_problem() -> str | None:
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        return "no unshare or ip command to make a loopback-only network namespace"
-    probe = subprocess.run(
-        ["unshare", "-n", "sh", "-c", "ip link set lo up"], capture_output=True, text=True
-    )
-    if probe.returncode != 0:
-        return f"cannot make a private network namespace here: {probe.stderr.strip()}"
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        return "ray is not installed (pip install 'aioload[ray]')"
-    return None
-
-
 @pytest.mark.skipif(INSIDE, reason="this is the outer test")
 @pytest.mark.timeout(240)
 def test_ray_workers_in_a_loopback_only_namespace() -> None:
-    problem = _namespace_problem()
+    problem = ray_namespace_problem()
     if problem is not None:
         pytest.skip(problem)
     env = {**os.environ, "AIOLOAD_RAY_NETNS": "1", "RAY_ADDRESS": ""}

@@ -13,7 +13,6 @@ import json
 import os
 import sys
 import textwrap
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -23,7 +22,7 @@ import pytest
 from aioload._wire import channel as _channel
 from aioload._wire import slabs as _transport
 from aioload._worker import main as _worker_main
-from tests.helpers import run_fresh
+from tests.helpers import run_fresh, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -274,9 +273,7 @@ def test_a_staggered_start_starts_every_worker_once(
     assert int(first) == pids[0]
     # Once every worker has run its worker_init_fn (so it is past the closing of what it
     # inherited), each holds its own socket and no other.
-    deadline = time.monotonic() + 30
-    while len(list(tmp_path.iterdir())) < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: len(list(tmp_path.iterdir())) >= 3, timeout=30)
     for pid in pids:
         assert pid is not None and _socket_fds(pid) == 1, "a worker holds another's socket"
     rest = [int(b) for b in it]
