@@ -30,6 +30,10 @@ pytestmark = [pytest.mark.usefixtures("no_leaks"), pytest.mark.timeout(180)]
 
 N = 51  # not a multiple of the 2 ranks: DistributedSampler pads, and the padding shows
 BATCH = 4
+# A rank started by torch.multiprocessing.spawn makes spawn its default start method, and a
+# spawned worker imports torch afresh (seconds each on a loaded machine): the ranks' workers
+# are forked, as a training script's usually are. What is under test is the sharding.
+FORK: dict[str, Any] = {"multiprocessing_context": "fork"}
 
 
 class Indexed(Dataset[int]):
@@ -57,7 +61,7 @@ def _rank_main(rank: int, world_size: int, store: str, out_dir: str) -> None:
 
         def make() -> aioload.DataLoader[Any]:
             return aioload.DataLoader(
-                Indexed(), batch_size=BATCH, shuffle=True, num_workers=2, shard="auto"
+                Indexed(), batch_size=BATCH, shuffle=True, num_workers=2, shard="auto", **FORK
             )
 
         loader = make()
@@ -84,7 +88,7 @@ def _rank_main(rank: int, world_size: int, store: str, out_dir: str) -> None:
         resumed.load_state_dict(torch.load(buffer, weights_only=True))
         report["resumed_epoch1"] = head + flat(resumed)
 
-        iterable = aioload.DataLoader(GlobalShards(), batch_size=BATCH, num_workers=2)
+        iterable = aioload.DataLoader(GlobalShards(), batch_size=BATCH, num_workers=2, **FORK)
         report["iterable"] = flat(iterable)
 
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
