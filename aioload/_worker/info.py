@@ -10,13 +10,31 @@ import torch.utils.data._utils.worker as torch_worker
 __all__ = ["WorkerInfo", "get_worker_info"]
 
 
+class _GlobalPlace:
+    """A worker's place among all workers of all ranks (for either shape of ``WorkerInfo``)."""
+
+    __slots__ = ()
+    id: int
+    num_workers: int
+    rank: int
+    world_size: int
+
+    @property
+    def global_id(self) -> int:
+        return self.rank * self.num_workers + self.id
+
+    @property
+    def global_num_workers(self) -> int:
+        return self.world_size * self.num_workers
+
+
 # torch's WorkerInfo is a frozen dataclass from torch 2.12 on (with ``rng`` and
 # ``worker_method`` beside the four fields), and a plain class whose ``__init__(**kwargs)`` sets
 # the attributes and then locks them before that. The subclass takes the same shape as its base.
 # (The dataclass comes last: it is the one type checkers and the API docs read.)
 if not (TYPE_CHECKING or dataclasses.is_dataclass(torch_worker.WorkerInfo)):
 
-    class WorkerInfo(torch_worker.WorkerInfo):
+    class WorkerInfo(_GlobalPlace, torch_worker.WorkerInfo):
         """Information about the current aioload worker process, for a torch whose WorkerInfo
         is a plain class (up to 2.11): the same fields and properties as the dataclass."""
 
@@ -44,18 +62,10 @@ if not (TYPE_CHECKING or dataclasses.is_dataclass(torch_worker.WorkerInfo)):
         rank: int
         world_size: int
 
-        @property
-        def global_id(self) -> int:
-            return self.rank * self.num_workers + self.id
-
-        @property
-        def global_num_workers(self) -> int:
-            return self.world_size * self.num_workers
-
 else:
 
     @dataclasses.dataclass(frozen=True, slots=True)
-    class WorkerInfo(torch_worker.WorkerInfo):
+    class WorkerInfo(_GlobalPlace, torch_worker.WorkerInfo):
         """Information about the current aioload worker process.
 
         A subclass of torch's WorkerInfo with the same fields (``id``, ``num_workers``,
@@ -73,14 +83,6 @@ else:
 
         rank: int = 0
         world_size: int = 1
-
-        @property
-        def global_id(self) -> int:
-            return self.rank * self.num_workers + self.id
-
-        @property
-        def global_num_workers(self) -> int:
-            return self.world_size * self.num_workers
 
 
 _worker_info: WorkerInfo | None = None
