@@ -228,7 +228,7 @@ def test_the_progress_bar_shows_the_choice(capsys: pytest.CaptureFixture[str]) -
 def test_torch_still_validates_integers() -> None:
     with pytest.raises(ValueError, match="num_workers option should be non-negative"):
         aioload.DataLoader(Numbers(), num_workers=-1)
-    with pytest.raises(ValueError, match="should be a (non-negative|positive) integer or 'auto'"):
+    with pytest.raises(ValueError, match=r"should be a (non-negative|positive) integer or 'auto'"):
         aioload.DataLoader(Numbers(), num_workers="many")
     with pytest.raises(ValueError, match="max_memory bounds what"):
         aioload.DataLoader(Numbers(), num_workers=2, max_memory=1 << 30)
