@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 from .._wire.messages import Event, PassPlan
 
@@ -29,6 +29,7 @@ __all__ = [
     "OUT_OF_PROCESS",
     "BackendKeeper",
     "BackendTraits",
+    "TunableBackend",
     "WorkerBackend",
     "WorkerSpec",
 ]
@@ -111,6 +112,19 @@ class WorkerBackend(Protocol):
 
     def close(self) -> None:
         """Stop every worker and release everything, bounded in time. Idempotent."""
+
+
+@runtime_checkable
+class TunableBackend(Protocol):
+    """What a backend may offer the controller (``num_workers``/``worker_concurrency`` set to
+    "auto") beyond the seam. A backend without it runs every slot at the concurrency it
+    started with; the controller's other choices (tasks in flight) are the engine's own."""
+
+    def activate(self, count: int) -> None:
+        """Slots ``0..count-1`` take tasks from now on: start any of them not yet started."""
+
+    def set_concurrency(self, concurrency: int) -> None:
+        """An async dataset's fetches in flight per worker, from now on."""
 
 
 class BackendKeeper:

@@ -53,7 +53,7 @@ from .._wire.messages import (
 from .._wire.packed import pack_to_worker, unpack_reply
 from .._wire.slabs import EAGER_FREE_BYTES, SlabMappings
 from ..errors import WorkerDiedError
-from .base import OUT_OF_PROCESS, BackendTraits, WorkerSpec
+from .base import OUT_OF_PROCESS, BackendTraits, TunableBackend, WorkerBackend, WorkerSpec
 
 __all__ = ["WorkerPool"]
 
@@ -953,3 +953,8 @@ class WorkerPool:
         with contextlib.suppress(Exception):
             self.selector.close()
         self.releases.clear()
+
+
+def _conforms(pool: WorkerPool) -> tuple[WorkerBackend, TunableBackend]:
+    # Type-checked: the pool honours the seam, and the controller's optional part of it.
+    return pool, pool

@@ -30,7 +30,7 @@ from collections.abc import Callable, Generator, Iterator
 from typing import Any, NamedTuple, NoReturn
 
 from .._aio.waiting import run_off_loop, running_asyncio_loop
-from .._backends.base import BackendTraits, WorkerBackend
+from .._backends.base import BackendTraits, TunableBackend, WorkerBackend
 from .._wire.messages import (
     AllSkipped,
     Answer,
@@ -449,17 +449,15 @@ class Orchestrator:
         slots = max(1, min(self._num_workers, tuning.workers))
         if slots != self._slots:
             self._slots = slots
-            activate = getattr(self._backend, "activate", None)
-            if activate is not None:
-                activate(slots)
+            if isinstance(self._backend, TunableBackend):
+                self._backend.activate(slots)
             self._named = not self._setup.traits.runs_ahead
         self._capacity = tuning.depth * slots
         concurrency = tuning.concurrency
         if concurrency is not None and concurrency != self._concurrency:
             self._concurrency = concurrency
-            set_concurrency = getattr(self._backend, "set_concurrency", None)
-            if set_concurrency is not None:
-                set_concurrency(concurrency)
+            if isinstance(self._backend, TunableBackend):
+                self._backend.set_concurrency(concurrency)
 
     # -- dispatch ----------------------------------------------------------------------------
 
