@@ -20,10 +20,10 @@ import torch
 import aioload
 
 from ..features.test_stateful import _interrupted, _uninterrupted
-from ..helpers import within
+from ..helpers import ray_namespace_problem, within
 from ..scripts.stateful import EpochStream, RngMap
 from . import test_ray_workers as _ray
-from .test_ray_workers import INSIDE, REPO, _namespace_problem, inner
+from .test_ray_workers import INSIDE, REPO, inner
 
 # The Ray session and the per-test RayWorkers, shared with test_ray_workers.py.
 ray_session = _ray.ray_session
@@ -33,7 +33,7 @@ ray_workers = _ray.ray_workers
 @pytest.mark.skipif(INSIDE, reason="this is the outer test")
 @pytest.mark.timeout(within(420))
 def test_ray_stateful_in_a_loopback_only_namespace() -> None:
-    problem = _namespace_problem()
+    problem = ray_namespace_problem()
     if problem is not None:
         pytest.skip(problem)
     env = {**os.environ, "AIOLOAD_RAY_NETNS": "1", "RAY_ADDRESS": ""}
