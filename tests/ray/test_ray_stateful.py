@@ -8,9 +8,6 @@ namespace, where the inner tests start a real Ray instance.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +17,10 @@ import torch
 import aioload
 
 from ..features.test_stateful import _interrupted, _uninterrupted
-from ..helpers import ray_namespace_problem, within
+from ..helpers import within
 from ..scripts.stateful import EpochStream, RngMap
 from . import test_ray_workers as _ray
-from .test_ray_workers import INSIDE, REPO, inner
+from .test_ray_workers import INSIDE, inner, run_inside_a_namespace
 
 # The Ray session and the per-test RayWorkers, shared with test_ray_workers.py.
 ray_session = _ray.ray_session
@@ -33,26 +30,7 @@ ray_workers = _ray.ray_workers
 @pytest.mark.skipif(INSIDE, reason="this is the outer test")
 @pytest.mark.timeout(within(420))
 def test_ray_stateful_in_a_loopback_only_namespace() -> None:
-    problem = ray_namespace_problem()
-    if problem is not None:
-        pytest.skip(problem)
-    env = {**os.environ, "AIOLOAD_RAY_NETNS": "1", "RAY_ADDRESS": ""}
-    command = (
-        "ip link set lo up && exec "
-        f"{sys.executable} -m pytest {Path(__file__).relative_to(REPO)} -q -p no:cacheprovider "
-        "-o addopts=-ra"
-    )
-    done = subprocess.run(
-        ["unshare", "-n", "sh", "-c", command],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=within(400),
-    )
-    print(done.stdout[-6000:], done.stderr[-3000:])
-    assert done.returncode == 0, done.stdout[-6000:]
-    assert " passed" in done.stdout and " failed" not in done.stdout
+    run_inside_a_namespace(Path(__file__), within(400))
 
 
 def _map(workers: aioload.RayWorkers | None, persistent: bool = True) -> Any:
