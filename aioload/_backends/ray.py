@@ -124,12 +124,7 @@ class _AsyncActorImpl(_ActorImpl):
             return
         self.turns = asyncio.Lock()
         step = self.step
-        if step.async_init is not None:
-            init, step.async_init = step.async_init, None
-            try:
-                await init
-            except Exception:
-                step.setup_failed()
+        await step.finish_async_init()
         if step.init_error is None and has_async_context(step.dataset):
             try:
                 await step.dataset.__aenter__()

@@ -389,6 +389,18 @@ class WorkerStep:
         self.init_error = RemoteError(self.config.worker_id)
         self.init_error.from_init = True
 
+    async def finish_async_init(self) -> None:
+        """Await an async ``worker_init_fn``'s coroutine, once, on the loop that will fetch;
+        its failure is the setup's (``setup_failed``). A process worker and a Ray actor both
+        run it before their first task."""
+        if self.async_init is None:
+            return
+        init, self.async_init = self.async_init, None
+        try:
+            await init
+        except Exception:
+            self.setup_failed()
+
     def preamble(self) -> Failure | StreamEnded | None:
         """The answer to a task that needs no fetch: the worker's setup or this pass's stream
         failed, or its IterableDataset stream has run dry. None: fetch it."""
@@ -822,12 +834,7 @@ class _ProcessWorker:
 
     async def _serve(self) -> None:
         step = self.step
-        if step.async_init is not None:
-            init, step.async_init = step.async_init, None
-            try:
-                await init
-            except Exception:
-                step.setup_failed()
+        await step.finish_async_init()
         async with contextlib.AsyncExitStack() as resources:
             # The dataset's per-worker setup (say, an HTTP client session) is entered once,
             # here, on this loop, and exited when the loop below ends: after the parent closed
