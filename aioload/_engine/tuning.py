@@ -25,10 +25,13 @@ How the controller decides (docs/tuning.md says the same for users):
   that turns direction ``MAX_REVERSALS`` times in a pass is settled for that pass. So it
   cannot oscillate: within a pass each knob makes a bounded number of moves.
 - Growth order when the consumer waits: concurrency (an async dataset's fetches in flight,
-  doubled from 4 up to 256, while it fills at most half of the prefetch x batch size samples
-  a worker has to fetch; past that the depth grows first), then workers (only while cores are measured idle and the workers are
-  busy), then prefetch depth (+1 per worker, within [1, 8], only while the workers have slack:
-  a deeper queue does not make a saturated worker faster, and more slabs in flight cost cache).
+  from 4, fourfold while the consumer waits at least half its time, else twofold, up to 256;
+  an automatic depth moves with it in the same trial, so that it fills at most half of the
+  prefetch x batch size samples a worker has to fetch), then workers (only while cores are
+  measured idle and the workers are busy), then prefetch depth (+1 per worker, within
+  [1, 8], only while the workers have slack and a core is idle: a deeper queue does not make
+  a saturated worker faster, nor one waiting for a core, and more slabs in flight cost
+  cache).
 - ``max_memory`` bounds ``(workers x depth + 2) x batch bytes``: the batches in flight plus the
   one the consumer holds and one being handed over. It is enforced as soon as a batch's size is
   known, by lowering depth first, then workers.
@@ -73,6 +76,8 @@ MAX_CONCURRENCY = 256
 # The consumer's waiting share above which it is data-bound, and below which it is fed.
 WAIT_HIGH = 0.10
 WAIT_LOW = 0.03
+# Waiting at least this share, an async dataset's concurrency grows fourfold, not twofold.
+WAIT_MOSTLY = 0.50
 # Workers are added only while they are this busy (below it, more of them would idle too).
 BUSY_FOR_WORKERS = 0.60
 # Depth grows only while the workers are less busy than this (they wait for tasks).
@@ -330,6 +335,9 @@ class _Trial(NamedTuple):
     old: int
     new: int
     baseline: float  # samples/s before the change
+    # The prefetch depth that moved with an async dataset's concurrency (its old value), so
+    # that undoing the trial puts both back.
+    depth_before: int | None = None
 
 
 class Controller:
@@ -490,11 +498,25 @@ class Controller:
         self.note = reason
         return change
 
-    def _try(self, knob: _Knob, new: int, window: Window, reason: str) -> list[Change]:
-        self._trial = _Trial(knob, knob.value, new, window.throughput)
+    def _try(
+        self, knob: _Knob, new: int, window: Window, reason: str, depth: int | None = None
+    ) -> list[Change]:
+        """Make one trial move; ``depth``: a prefetch depth that moves with it (concurrency)."""
+        moved_depth = depth is not None and depth != self.depth.value
+        self._trial = _Trial(
+            knob, knob.value, new, window.throughput, self.depth.value if moved_depth else None
+        )
         if knob is self.workers and new > knob.value:
             self._skip = 1  # the new workers start during the next window
-        return [self._record(knob, new, reason)]
+        changes = [self._record(knob, new, reason)]
+        if moved_depth:
+            assert depth is not None
+            changes.append(
+                self._record(
+                    self.depth, depth, f"follows {knob.name}={new}: room for its fetches in flight"
+                )
+            )
+        return changes
 
     def _judge(self, trial: _Trial, window: Window) -> Change | None:
         knob = trial.knob
@@ -508,13 +530,16 @@ class Controller:
                 return None
             knob.ceiling = trial.old
             knob.retry_at = self._windows + RETRY_WINDOWS
-            return self._record(
+            undone = self._record(
                 knob,
                 trial.old,
                 f"undone: {knob.name} {trial.old} -> {trial.new} brought {before:.0f} -> "
                 f"{now:.0f} samples/s (less than {need - 1:.0%} more); {trial.old} is the "
                 f"ceiling for the next {RETRY_WINDOWS} windows",
             )
+            if trial.depth_before is not None and self.depth.value != trial.depth_before:
+                self._record(self.depth, trial.depth_before, f"with {knob.name}: {undone.reason}")
+            return undone
         if now >= before * KEEP and window.waiting < WAIT_HIGH:
             self.note = f"kept {knob.name}={trial.new}: {before:.0f} -> {now:.0f} samples/s"
             return None
@@ -573,47 +598,39 @@ class Controller:
         workers, depth, concurrency = self.workers, self.depth, self.concurrency
         waiting = f"the consumer waits {w.waiting:.0%} of its time"
         per_batch = w.samples / w.batches if w.batches else 1.0
-        # Samples a worker may be fetching at once: its tasks in flight x their size.
-        room = depth.value * per_batch
         if concurrency.can_grow():
-            # Doubled while it fills at most half the samples in flight, so that a worker has
-            # the next batch's samples to start while a batch's last ones finish; past that,
-            # deeper first (or, where depth is pinned, up to all of them).
-            if concurrency.value * 4 <= room or (concurrency.value < room and not depth.can_grow()):
-                new = min(concurrency.ceiling, concurrency.value * 2)
+            moved = self._grow_concurrency(w, per_batch, waiting)
+            if moved:
+                return moved
+        n = workers.value
+        idle = w.idle_cores
+        if idle is None:
+            idle = self.cores - w.parent_cpu - w.busy * n
+        if (
+            workers.can_grow()
+            and not self.per_pass_workers
+            and w.busy >= BUSY_FOR_WORKERS
+            and idle >= IDLE_MIN
+        ):
+            # The supply the consumer would take: n / (1 - waiting) workers, at most
+            # doubling, and no more than the idle cores.
+            wanted = math.ceil(n / max(0.05, 1.0 - w.waiting))
+            new = min(workers.ceiling, 2 * n, n + max(1, math.floor(idle)), max(n + 1, wanted))
+            while new > n and not self._fits(new, depth.value, w):
+                new -= 1
+            if new > n:
                 return self._try(
-                    concurrency, new, w, f"{waiting}: more fetches in flight per worker"
-                )
-            if depth.can_grow() and self._fits(workers.value, depth.value + 1, w):
-                return self._try(
-                    depth,
-                    depth.value + 1,
+                    workers,
+                    new,
                     w,
-                    f"{waiting}: worker_concurrency={concurrency.value} needs more tasks in "
-                    f"flight per worker ({room:.0f} samples now)",
+                    f"{waiting}, workers {w.busy:.0%} busy, {idle:.1f} cores idle",
                 )
-        if workers.can_grow() and not self.per_pass_workers and w.busy >= BUSY_FOR_WORKERS:
-            n = workers.value
-            idle = w.idle_cores
-            if idle is None:
-                idle = self.cores - w.parent_cpu - w.busy * n
-            if idle >= IDLE_MIN:
-                # The supply the consumer would take: n / (1 - waiting) workers, at most
-                # doubling, and no more than the idle cores.
-                wanted = math.ceil(n / max(0.05, 1.0 - w.waiting))
-                new = min(workers.ceiling, 2 * n, n + max(1, math.floor(idle)), max(n + 1, wanted))
-                while new > n and not self._fits(new, depth.value, w):
-                    new -= 1
-                if new > n:
-                    return self._try(
-                        workers,
-                        new,
-                        w,
-                        f"{waiting}, workers {w.busy:.0%} busy, {idle:.1f} cores idle",
-                    )
+        # Workers that are not busy for want of a core, not of tasks, gain nothing from more
+        # tasks in flight: each would only take cache and memory (the slabs in flight).
         if (
             depth.can_grow()
             and w.busy < BUSY_SATURATED
+            and idle >= IDLE_MIN
             and self._fits(workers.value, depth.value + 1, w)
         ):
             return self._try(
@@ -625,12 +642,44 @@ class Controller:
         self.note = f"holding: {waiting}, but " + self._why_not(w)
         return []
 
+    def _grow_concurrency(self, w: Window, per_batch: float, waiting: str) -> list[Change]:
+        """More fetches in flight per worker for an async dataset: doubled, or quadrupled while
+        the consumer waits most of its time (a latency-bound dataset gains in proportion, and
+        a pass is short: slow start costs more than an overshoot, which the trial undoes).
+
+        The samples a worker may fetch at once are its tasks in flight times their size; the
+        concurrency fills at most half of them, so that a worker has the next batch's samples
+        to start while a batch's last ones finish. An automatic depth moves with it, in the
+        same trial, and so is undone with it; a pinned depth caps it at all of them."""
+        concurrency, depth, workers = self.concurrency, self.depth, self.workers
+        c = concurrency.value
+        factor = 4 if w.waiting >= WAIT_MOSTLY else 2
+        new = min(concurrency.ceiling, c * factor)
+        new_depth = depth.value
+        if depth.auto:
+            wanted = math.ceil(2 * new / max(1.0, per_batch))
+            new_depth = max(depth.value, min(depth.ceiling, wanted))
+            while new_depth > depth.value and not self._fits(workers.value, new_depth, w):
+                new_depth -= 1
+        room = new_depth * per_batch
+        # Beyond the samples in flight a worker holds, more fetches at once do nothing.
+        new = min(new, max(c, math.floor(room)))
+        if new <= c:
+            return []
+        return self._try(
+            concurrency,
+            new,
+            w,
+            f"{waiting}: more fetches in flight per worker",
+            depth=new_depth,
+        )
+
     def _why_not(self, w: Window) -> str:
         if self.workers.auto and self.workers.value >= self.workers.ceiling:
             return f"num_workers={self.workers.value} is the most this pass allows"
         if self.workers.auto and w.busy < BUSY_FOR_WORKERS:
             return f"the workers are only {w.busy:.0%} busy"
-        if self.workers.auto:
+        if self.workers.auto or self.depth.auto:
             return "no core is idle"
         return "nothing automatic is left to raise"
 

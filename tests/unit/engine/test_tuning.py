@@ -215,29 +215,65 @@ def test_growth_stays_within_the_memory_budget() -> None:
 # -- concurrency ----------------------------------------------------------------------------
 
 
-def test_concurrency_doubles_while_throughput_rises() -> None:
+def test_concurrency_grows_fourfold_with_room_while_the_consumer_mostly_waits() -> None:
     c = controller(workers=1, depth=None, concurrency=None)
     assert c.concurrency.value == tuning.START_CONCURRENCY
     rate = 200.0
-    values = [c.concurrency.value]
-    for _ in range(12):
-        c.observe(window(waiting=0.9, busy=1.0, samples_per_s=rate, per_batch=32))
-        values.append(c.concurrency.value)
-        rate *= 1.9
-    # 4 -> 8 -> 16 -> 32, half of 2 tasks x 32 samples; then the depth grows to make room
-    # (3, then 4 tasks per worker), and concurrency goes on: 64.
-    assert values[:7] == [4, 8, 16, 32, 32, 32, 64]
-    assert c.depth.value >= 4
-    assert max(values) <= MAX_CONCURRENCY
+    values = [(c.concurrency.value, c.depth.value)]
+    for _ in range(6):
+        changes = c.observe(window(waiting=0.9, busy=1.0, samples_per_s=rate, per_batch=32))
+        values.append((c.concurrency.value, c.depth.value))
+        rate *= 3.5
+    # 4 -> 16 -> 64 -> 256 (the most), each in one trial with the depth that gives it room:
+    # concurrency fills at most half of depth x 32 samples, so 64 takes 4 tasks per worker,
+    # and 256 would take 16: the depth stops at its most (8), and so does concurrency.
+    assert values[:4] == [(4, 2), (16, 2), (64, 4), (256, 8)]
+    assert max(v for v, _ in values) <= MAX_CONCURRENCY
+    assert changes == []
+
+
+def test_concurrency_doubles_when_the_consumer_waits_less() -> None:
+    c = controller(workers=1, depth=None, concurrency=None)
+    changes = c.observe(window(waiting=0.3, busy=1.0, samples_per_s=200, per_batch=32))
+    assert knobs(changes) == [(CONCURRENCY, 4, 8)]
+
+
+def test_an_undone_concurrency_trial_puts_its_depth_back() -> None:
+    c = controller(workers=1, depth=None, concurrency=None)
+    c.concurrency.value = 16
+    changes = c.observe(window(waiting=0.9, busy=1.0, samples_per_s=1000, per_batch=32))
+    assert knobs(changes) == [(CONCURRENCY, 16, 64), (DEPTH, 2, 4)]
+    assert "follows worker_concurrency=64" in changes[1].reason
+    changes = c.observe(window(waiting=0.9, busy=1.0, samples_per_s=1020, per_batch=32))
+    assert knobs(changes) == [(CONCURRENCY, 64, 16)]
+    assert (c.concurrency.value, c.depth.value) == (16, 2)
+    assert c.changes[-1].knob == DEPTH and c.changes[-1].reason.startswith("with worker_")
+
+
+def test_a_pinned_depth_caps_concurrency_at_the_samples_in_flight() -> None:
+    c = controller(workers=1, depth=2, concurrency=None)
+    c.observe(window(waiting=0.9, busy=1.0, samples_per_s=200))  # 4 -> 16
+    assert c.concurrency.value == 16
+    c.observe(window(waiting=0.9, busy=1.0, samples_per_s=800))  # kept; 16 -> 64 (2 x 32)
+    assert (c.concurrency.value, c.depth.value) == (64, 2)
+    assert c.observe(window(waiting=0.9, busy=1.0, samples_per_s=3000)) == []
+    assert c.concurrency.value == 64
 
 
 def test_concurrency_stops_when_throughput_stops_rising() -> None:
     c = controller(workers=1, depth=2, concurrency=None)
-    c.observe(window(waiting=0.9, busy=1.0, samples_per_s=200))  # 4 -> 8
-    c.observe(window(waiting=0.9, busy=1.0, samples_per_s=400))  # kept, 8 -> 16
-    changes = c.observe(window(waiting=0.9, busy=1.0, samples_per_s=420))  # +5 %: undone
-    assert knobs(changes) == [(CONCURRENCY, 16, 8)]
-    assert c.concurrency.value == 8
+    c.observe(window(waiting=0.9, busy=1.0, samples_per_s=200))  # 4 -> 16
+    changes = c.observe(window(waiting=0.9, busy=1.0, samples_per_s=210))  # +5 %: undone
+    assert knobs(changes) == [(CONCURRENCY, 16, 4)]
+    assert c.concurrency.value == 4
+
+
+def test_depth_does_not_grow_without_an_idle_core() -> None:
+    # The workers are not busy because they wait for a core, not for tasks.
+    c = controller(workers=2, depth=None)
+    assert c.observe(window(waiting=0.6, busy=0.6, idle=0.1)) == []
+    assert c.depth.value == 2
+    assert "no core is idle" in c.note
 
 
 # -- per pass (IterableDataset) -------------------------------------------------------------
