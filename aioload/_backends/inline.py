@@ -8,11 +8,15 @@ in the calling thread, with no loop at all.
 An async dataset is the exception: its coroutines are awaited on the loop itself (the caller's
 under ``async for``, with anyio so that trio works too; the private one under ``for``), with up
 to ``worker_concurrency`` samples in flight. Cancelling the consumer cancels them.
+
+The fetch itself is a ``_worker.main.WorkerStep``, as in every other backend's workers, made
+for the calling process (``place="caller"``: torch's ``num_workers=0``, no worker setup, the
+dataset itself, errors raised as they are). This backend only carries tasks to it and its
+answers back, and closes what the pass opened.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import select
 import time
@@ -30,14 +34,15 @@ from .._wire.messages import (
     Answer,
     Batch,
     Event,
+    Failure,
     Outcome,
     PassPlan,
+    Produced,
     Raised,
-    StreamEnded,
-    StreamState,
+    Task,
 )
-from .._worker.async_fetch import AsyncFetcher, StreamEnd, has_async_context, is_async_dataset
-from .._worker.fetch import Fetcher
+from .._worker.async_fetch import AsyncFetcher
+from .._worker.main import StepResult, WorkerStep
 from .base import IN_PROCESS, BackendTraits, WorkerSpec
 
 __all__ = ["InlineBackend"]
@@ -53,15 +58,21 @@ class InlineBackend:
     def __init__(self, spec: WorkerSpec, offload: bool) -> None:
         self.spec = spec
         self.offload = offload
-        self.fetcher: Any = None
+        # The one worker: the dataset and collate_fn themselves, no worker_init_fn.
+        config = spec.worker_config(
+            0,
+            0,
+            0,
+            payload=(spec.dataset, spec.collate_fn, None),
+            shared_memory=False,
+        )
+        self.step = WorkerStep(config, slabs=None, place="caller")
         self.task: tuple[int, Any] | None = None
         self.answer: Answer | None = None
         self.plan = PassPlan()
         # Whether this pass made its fetcher (which loads the plan's checkpointed state).
         self.fetched = False
-        # Where the IterableDataset stream stands after the task just fetched.
-        self.stream: StreamState | None = None
-        self.is_async = is_async_dataset(spec.dataset, spec.dataset_kind)
+        self.is_async = self.step.is_async
         # The dataset's async context (its per-worker setup), entered on the loop that fetches,
         # at the first fetch of the pass, and exited when the pass's source is closed.
         self.context_entered = False
@@ -70,7 +81,6 @@ class InlineBackend:
         # The fetcher (and an IterableDataset's iterator) is made on the first fetch, in the
         # thread that fetches, as torch makes it lazily too.
         self.plan = plans[0]
-        self.fetcher = None
         self.fetched = False
 
     def submit(self, worker_id: int, task_id: int, indices: Any) -> None:
@@ -131,72 +141,41 @@ class InlineBackend:
         self._answered(self._fetch(*self.task), started)
         return True
 
-    def _answered(self, outcome: Outcome, started: float) -> None:
+    def _answered(self, result: StepResult, started: float) -> None:
         assert self.task is not None
         task_id = self.task[0]
         self.task = None
-        stream, self.stream = self.stream, None
+        outcome: Outcome
+        if isinstance(result, Produced):
+            outcome = Batch(result.data)
+        elif isinstance(result, Failure):
+            outcome = Raised(result.error)  # the exception itself, with its own traceback
+        else:
+            outcome = result
         # The calling process is the one "worker" here.
-        self.answer = Answer(0, task_id, outcome, stream, time.perf_counter() - started)
+        self.answer = Answer(
+            0, task_id, outcome, self.step.point_of(result), time.perf_counter() - started
+        )
 
-    def _fetch(self, task_id: int, indices: Any) -> Outcome:
-        spec = self.spec
-        try:
-            if self.fetcher is None:
-                self.fetched = True
-                self.fetcher = Fetcher(spec.fetch_spec(), self.plan, in_calling_process=True)
-            batch = self.fetcher.fetch(indices)
-            self._record_stream()
-            return Batch(batch)
-        except StopIteration as exc:
-            if spec.dataset_kind == 1:
-                self._record_stream(failed=True)
-                return StreamEnded()
-            return Raised(exc)
-        except Exception as exc:
-            # Raised as it is, with its own traceback, as torch does in this mode.
-            self._record_stream(failed=True)
-            return Raised(exc)
+    def _fetch(self, task_id: int, indices: Any) -> StepResult:
+        if not self.fetched:
+            self.fetched = True
+            self.step.new_pass(self.plan)
+        return self.step.run(Task(task_id, 0, indices))
 
-    def _record_stream(self, failed: bool = False) -> None:
-        """Where the dataset stands after this task (for state_dict), as a worker's reply says
-        it: an IterableDataset's stream, and the state of a Stateful dataset (and iterator).
-        After a failed task, as far as it can be told."""
-        fetcher = self.fetcher
-        if fetcher is None:
-            return
-        try:
-            point = fetcher.point()
-        except Exception:
-            if not failed:
-                raise
-            return
-        if point is not None:
-            # A copy: in this process the dataset's state object may be the live one, which
-            # later batches would change under the checkpoint.
-            self.stream = copy.deepcopy(point)
-
-    async def _fetch_async(self, task_id: int, indices: Any) -> Outcome:
-        spec = self.spec
-        try:
-            if self.fetcher is None:
-                if not self.context_entered and has_async_context(spec.dataset):
-                    await spec.dataset.__aenter__()
-                    self.context_entered = True
-                self.fetched = True
-                self.fetcher = AsyncFetcher(spec.fetch_spec(), self.plan, spec.worker_concurrency)
-            batch = await self.fetcher.fetch(indices)
-            self._record_stream()
-            return Batch(batch)
-        except StreamEnd:
-            self._record_stream(failed=True)
-            return StreamEnded()
-        except Exception as exc:
-            self._record_stream(failed=True)
-            return Raised(exc)
+    async def _fetch_async(self, task_id: int, indices: Any) -> StepResult:
+        step = self.step
+        if not self.fetched:
+            self.fetched = True
+            self.context_entered = await step.enter_async_context()
+            if step.iterable:
+                await step.start_async_stream(self.plan)
+            else:
+                step.new_async_pass(self.plan)
+        return await step.run_async(Task(task_id, 0, indices))
 
     def close(self) -> None:
-        fetcher, self.fetcher = self.fetcher, None
+        fetcher, self.step.fetcher = self.step.fetcher, None
         if not self.fetched and self.plan.dataset_state is not None:
             # A resumed pass that had nothing left to fetch (checkpointed after its last
             # batch): the dataset is still where the checkpoint had it, for the next pass.

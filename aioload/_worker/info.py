@@ -93,7 +93,8 @@ def get_worker_info() -> WorkerInfo | None:
     return _worker_info
 
 
-def _set_worker_info(info: WorkerInfo) -> None:
+def _set_worker_info(info: WorkerInfo | None) -> None:
+    """Set (or, with None, clear) what both ``get_worker_info()`` return in this process."""
     global _worker_info
     _worker_info = info
     # torch.utils.data.get_worker_info() reads this module global.

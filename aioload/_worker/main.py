@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable
 from importlib.machinery import ModuleSpec
 from types import ModuleType, TracebackType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
 from torch._utils import ExceptionWrapper, KeyErrorMessage
@@ -286,6 +286,14 @@ def worker_main(config: WorkerConfig, sock: Any) -> None:
 
 StepResult = Produced | Failure | StreamEnded
 
+# Where a WorkerStep runs (see WorkerStep):
+# - "worker": a worker's own process (a local worker process, a Ray actor);
+# - "beside": a worker's step in the consumer's process, set up as that worker would be (its
+#   seeds, ``get_worker_info()``, ``worker_init_fn``), its globals swapped in around each step
+#   by whoever drives it (the fake backend, ``_backends.fake``);
+# - "caller": the calling process itself, as torch's ``num_workers=0`` (``InlineBackend``).
+Place = Literal["worker", "beside", "caller"]
+
 
 class WorkerStep:
     """What one worker does with one task, whatever carries tasks to it (a process's socket,
@@ -296,20 +304,37 @@ class WorkerStep:
 
     With ``slabs`` (a process worker), a batch is collated straight into a shared-memory slab
     when the collate is torch's default.
+
+    ``place="caller"`` is torch's ``num_workers=0``: the calling process fetches, with no
+    worker setup at all (no seeds, no ``get_worker_info()``, no ``worker_init_fn``, no
+    DataPipe sharding, which the loader does for that process), from ``config.payload``'s
+    objects themselves; a failure is answered with the exception itself, with its own
+    traceback, not wrapped; and a seeded fetch puts the caller's RNG states back.
+    Wherever the step shares the consumer's process (``"caller"``, ``"beside"``), the stream
+    points it answers with are deep copies: the dataset's state object may be the live one,
+    which later batches would change under the checkpoint (a worker's reply pickles it).
     """
 
-    def __init__(self, config: WorkerConfig, slabs: _transport.WorkerSlabPool | None) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        slabs: _transport.WorkerSlabPool | None,
+        *,
+        place: Place = "worker",
+    ) -> None:
         self.config = config
         self.slabs = slabs
+        self.in_caller = place == "caller"
+        self.copies_points = place != "worker"
         self.iterable = config.dataset_kind == 1
         # The newest pass announced to this worker; tasks of older ones are skipped.
         self.generation = config.generation
         self.fetcher: Any = None
         # The worker's setup failed: the answer to every task it gets, so it reaches the
         # consumer (and the pool is not reused).
-        self.init_error: RemoteError | None = None
-        # An IterableDataset's __iter__ failed this pass.
-        self.fetch_error: RemoteError | None = None
+        self.init_error: Any = None
+        # An IterableDataset's __iter__ failed this pass (as ``error`` answers it).
+        self.fetch_error: Any = None
         # This pass's IterableDataset stream has run dry.
         self.iteration_end = False
         # Where the dataset stood after the last task run (see ``point_of``).
@@ -326,7 +351,7 @@ class WorkerStep:
         self.concurrency = config.worker_concurrency
 
         wid = config.worker_id
-        seed = _seed(config.base_seed, wid)
+        seed = None if self.in_caller else _seed(config.base_seed, wid)
         try:
             payload = config.payload
             objects = pickle.loads(payload) if isinstance(payload, bytes) else payload
@@ -334,25 +359,8 @@ class WorkerStep:
             if config.slab_collate:
                 collate_fn = _transport.slab_collate
             self.collate_fn = collate_fn
-            _set_worker_info(
-                WorkerInfo(
-                    id=wid,
-                    num_workers=config.num_workers,
-                    seed=seed,
-                    dataset=self.dataset,
-                    rank=config.rank,
-                    world_size=config.world_size,
-                )
-            )
-            if is_datapipe(self.dataset):
-                # As torch's workers do, before the user's worker_init_fn.
-                shard_in_worker(
-                    self.dataset, config.num_workers, wid, config.world_size, config.rank
-                )
-            if init_fn is not None:
-                self.async_init = init_fn(wid)
-                if not inspect.isawaitable(self.async_init):
-                    self.async_init = None
+            if seed is not None:
+                self._set_up_worker(wid, seed, init_fn)
         except Exception:
             self.setup_failed()
         self.is_async = self.init_error is None and is_async_dataset(
@@ -371,11 +379,40 @@ class WorkerStep:
             except TypeError:
                 self.setup_failed()
 
+    def _set_up_worker(self, wid: int, seed: int, init_fn: Any) -> None:
+        """What a worker does before its first task (not the calling process)."""
+        config = self.config
+        _set_worker_info(
+            WorkerInfo(
+                id=wid,
+                num_workers=config.num_workers,
+                seed=seed,
+                dataset=self.dataset,
+                rank=config.rank,
+                world_size=config.world_size,
+            )
+        )
+        if is_datapipe(self.dataset):
+            # As torch's workers do, before the user's worker_init_fn.
+            shard_in_worker(self.dataset, config.num_workers, wid, config.world_size, config.rank)
+        if init_fn is not None:
+            self.async_init = init_fn(wid)
+            if not inspect.isawaitable(self.async_init):
+                self.async_init = None
+
     # -- errors: the one way a task's failure is answered --------------------------------------
 
     def error(self) -> Failure:
         """The exception being handled, as this worker's answer (type and traceback kept)."""
-        return Failure(RemoteError(self.config.worker_id))
+        return Failure(self._caught())
+
+    def _caught(self) -> Any:
+        """The exception being handled, as this step's answers carry it: wrapped with the
+        worker's traceback for the consumer (a ``RemoteError``), or in the calling process the
+        exception itself, raised as it is (torch's ``num_workers=0``)."""
+        if self.in_caller:
+            return sys.exc_info()[1]
+        return RemoteError(self.config.worker_id)
 
     def set_concurrency(self, concurrency: int) -> None:
         """worker_concurrency="auto" (``SetConcurrency``): this pass's fetcher and the next."""
@@ -386,8 +423,9 @@ class WorkerStep:
 
     def setup_failed(self) -> None:
         """The exception being handled broke the worker's setup: every task gets it."""
-        self.init_error = RemoteError(self.config.worker_id)
-        self.init_error.from_init = True
+        self.init_error = self._caught()
+        if not self.in_caller:
+            self.init_error.from_init = True
 
     async def finish_async_init(self) -> None:
         """Await an async ``worker_init_fn``'s coroutine, once, on the loop that will fetch;
@@ -400,6 +438,19 @@ class WorkerStep:
             await init
         except Exception:
             self.setup_failed()
+
+    async def enter_async_context(self) -> bool:
+        """Enter an async dataset's context (its per-worker setup, say an HTTP session) on
+        the loop that fetches, where the setup went well and the dataset has one; its failure
+        is the setup's. Returns whether it was entered: the caller exits it when it is done."""
+        if self.init_error is not None or not has_async_context(self.dataset):
+            return False
+        try:
+            await self.dataset.__aenter__()
+        except Exception:
+            self.setup_failed()
+            return False
+        return True
 
     def preamble(self) -> Failure | StreamEnded | None:
         """The answer to a task that needs no fetch: the worker's setup or this pass's stream
@@ -438,13 +489,14 @@ class WorkerStep:
         self.iteration_end = False
         self.fetcher = None
         try:
-            self.rewind(plan)
-            if plan.shared_seed is not None:
-                # Every worker's shuffle seeded alike, anew each pass (an IterDataPipe).
-                reseed(self.dataset, plan.shared_seed)
-            self.fetcher = Fetcher(self.fetch_spec(), plan)
+            if not self.in_caller:  # (the loader reseeds the calling process's dataset)
+                self.rewind(plan)
+                if plan.shared_seed is not None:
+                    # Every worker's shuffle seeded alike, anew each pass (an IterDataPipe).
+                    reseed(self.dataset, plan.shared_seed)
+            self.fetcher = Fetcher(self.fetch_spec(), plan, in_calling_process=self.in_caller)
         except Exception:
-            self.fetch_error = RemoteError(self.config.worker_id)
+            self.fetch_error = self._caught()
 
     def rewind(self, plan: PassPlan) -> None:
         """Before a pass: note a Stateful dataset's state at this worker's first pass; a kept
@@ -469,11 +521,12 @@ class WorkerStep:
         self.iteration_end = False
         self.fetcher = None
         try:
-            self.rewind(plan)
+            if not self.in_caller:
+                self.rewind(plan)
             # (A map-style dataset's checkpointed state is loaded here: it may fail.)
             fetcher = AsyncFetcher(self.fetch_spec(), plan, self.concurrency)
         except Exception:
-            self.fetch_error = RemoteError(self.config.worker_id)
+            self.fetch_error = self._caught()
             return None
         self.fetcher = fetcher
         return fetcher
@@ -491,7 +544,7 @@ class WorkerStep:
         try:
             await fetcher.start()
         except Exception:
-            self.fetch_error = RemoteError(self.config.worker_id)
+            self.fetch_error = self._caught()
 
     # -- a task --------------------------------------------------------------------------------
 
@@ -548,7 +601,7 @@ class WorkerStep:
                     self.slabs.batch_s = took - (self.slabs.waited_s - waited)
             # Where the dataset stands now (its state_dict() is the user's code: a failure
             # there is this task's).
-            stream = self.point = self.fetcher.point()
+            stream = self.point = self._point()
         except StopIteration:
             self.release(arena)
             if not self.iterable:  # only an IterableDataset may run dry
@@ -565,9 +618,16 @@ class WorkerStep:
             return failure
         return Produced(data, stream, arena)
 
+    def _point(self) -> StreamState | None:
+        point: StreamState | None = self.fetcher.point()
+        if point is not None and self.copies_points:
+            # In this process the dataset's state object may be the live one.
+            point = copy.deepcopy(point)
+        return point
+
     def _point_or_none(self) -> StreamState | None:
         try:
-            return None if self.fetcher is None else self.fetcher.point()
+            return None if self.fetcher is None else self._point()
         except Exception:
             return None
 
