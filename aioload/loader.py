@@ -19,7 +19,7 @@ from torch.utils.data._utils.collate import default_collate
 from ._aio import lazy_import as _lazy
 from ._aio import sync_loop as _sync
 from ._backends.base import BackendKeeper, WorkerSpec
-from ._backends.choice import BackendChoice, choose_backend
+from ._backends.choice import BackendChoice, WorkerFactory, choose_backend
 from ._backends.ray_config import RayWorkers
 from ._engine.orchestrator import END, PENDING, Orchestrator, PassSetup
 from ._engine.pinning import Transfer, make_transfer, torch_pin_plan
@@ -194,7 +194,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         shard: str = "none",
         progress: bool = False,
         worker_concurrency: int | str = 1,
-        workers: RayWorkers | None = None,
+        workers: RayWorkers | WorkerFactory | None = None,
         on_sample_error: str | Callable[[Any, BaseException], str] = "raise",
         max_skipped: int | float | None = None,
         sample_retries: int = 0,
@@ -291,12 +291,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 "worker would start its iterator over, so samples would repeat"
             )
         self.max_worker_restarts = max_worker_restarts
-        if workers is not None and not isinstance(workers, RayWorkers):
+        if workers is not None and not isinstance(workers, WorkerFactory):
             raise TypeError(
                 f"workers option should be None (local processes) or aioload.RayWorkers, but "
                 f"got workers={workers!r}"
             )
-        # None: local worker processes; RayWorkers: the num_workers workers as Ray actors.
+        # None: local worker processes; RayWorkers (a WorkerFactory): the num_workers workers
+        # as Ray actors.
         self.workers = workers
         self.worker_concurrency = _check_worker_concurrency(
             concurrency, self.dataset, self._dataset_kind, worker_init_fn
@@ -720,7 +721,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             self._spec(),
             keeper=self._workers,
             base_seed=start.base_seed,
-            ray_workers=self.workers,
+            workers=self.workers,
             async_front=offload_inline,
         )
 

@@ -7,7 +7,7 @@ choice carries (``BackendTraits``), the same ones the backend's class declares.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from .base import (
     IN_PROCESS,
@@ -18,7 +18,21 @@ from .base import (
     WorkerSpec,
 )
 
-__all__ = ["BackendChoice", "choose_backend"]
+__all__ = ["BackendChoice", "WorkerFactory", "choose_backend"]
+
+
+@runtime_checkable
+class WorkerFactory(Protocol):
+    """What ``DataLoader(workers=...)`` takes: something that makes the backend a pass's
+    ``num_workers`` workers run on (``aioload.RayWorkers``: Ray actors; ``_backends.fake``'s
+    ``FakeWorkers``: scripted slots in the calling process, for tests). ``None`` there means
+    local worker processes."""
+
+    def make_backend(self, spec: WorkerSpec, base_seed: int) -> WorkerBackend:
+        """The backend for a pass (or, with ``persistent_workers``, for the passes that keep
+        it), its workers seeded from ``base_seed``. Called on the pass's first ``next()``,
+        in a thread under ``async for``."""
+        ...
 
 
 class BackendChoice(NamedTuple):
@@ -34,11 +48,11 @@ def choose_backend(
     *,
     keeper: BackendKeeper,
     base_seed: int | None,
-    ray_workers: Any,
+    workers: WorkerFactory | None,
     async_front: bool,
 ) -> BackendChoice:
-    """``num_workers=0``: the calling process. Otherwise local worker processes, or Ray actors
-    where ``workers=RayWorkers(...)`` asks for them; kept between passes by ``keeper`` when
+    """``num_workers=0``: the calling process. Otherwise local worker processes, or what
+    ``workers`` makes (``RayWorkers(...)``: Ray actors); kept between passes by ``keeper`` when
     ``persistent_workers`` is set."""
     if spec.num_workers == 0:
 
@@ -51,10 +65,8 @@ def choose_backend(
         return BackendChoice(make_inline, IN_PROCESS, owned=True)
 
     def make_workers(seed: int) -> WorkerBackend:
-        if ray_workers is not None:
-            from .ray import RayBackend  # imports Ray: only when a pass needs it
-
-            return RayBackend(spec, seed, ray_workers)
+        if workers is not None:
+            return workers.make_backend(spec, seed)
         from .process import WorkerPool
 
         # Staggered under `for` (see WorkerPool._start); under `async for` the pool starts

@@ -7,20 +7,45 @@ It answers each task after a scripted delay, can lose a worker when it is handed
 worker's IterableDataset stream from a given task on, and can hang on a task (``HANG``). It
 records what the engine asked of it (``submits``, ``restarts``, ``abandoned``, ``awaited``) so
 that a test can check the engine's side of the contract too.
+
+Given the loader's ``WorkerSpec`` (``FakeWorkers``, passed as ``DataLoader(workers=...)``), it
+also runs the loader itself, forking nothing: each worker slot is a ``_worker.main.WorkerStep``
+in the calling process, set up as a worker process would be (its own copy of the dataset, its
+seeds, ``get_worker_info()``, ``worker_init_fn``), with the process-wide state a worker has to
+itself (the RNGs, ``get_worker_info()``) swapped in around each of its steps. A slot runs a task
+when it is handed it, in the order it is handed them, as a worker does, and its answer is
+delivered after the scripted delay; a lost, failed or ended task runs nothing. Batches, seeds
+and checkpoints are then a worker pool's, and the scripts still apply.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 import time
-from collections.abc import Callable
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from .._wire.messages import Answer, Batch, Event, Failed, PassPlan, StreamEnded, WorkerLost
+from .._wire.messages import (
+    Answer,
+    Batch,
+    Event,
+    Failed,
+    Outcome,
+    PassPlan,
+    Produced,
+    StreamEnded,
+    Task,
+    WorkerLost,
+)
 from ..errors import WorkerDiedError
-from .base import OUT_OF_PROCESS, BackendTraits, WorkerBackend
+from .base import OUT_OF_PROCESS, BackendTraits, WorkerBackend, WorkerSpec
 
-__all__ = ["HANG", "FakeBackend"]
+if TYPE_CHECKING:
+    from .._worker.main import WorkerConfig, WorkerStep
+
+__all__ = ["HANG", "FakeBackend", "FakeWorkers"]
 
 # A delay that never ends: the task is never answered.
 HANG = math.inf
@@ -30,7 +55,11 @@ class FakeBackend:
     """A scripted ``WorkerBackend``. ``delay(task_id) -> seconds`` (HANG: never answers);
     ``lose_on``: task ids whose first delivery kills the worker that gets it;
     ``fail``: task ids answered with a worker error; ``ends``: worker -> task id from which
-    that worker's IterableDataset stream answers StreamEnded."""
+    that worker's IterableDataset stream answers StreamEnded.
+
+    With ``spec`` (the loader's), each slot runs the loader's dataset and collate through its
+    own ``WorkerStep``, seeded from ``base_seed`` as a pool's worker is; without, a task is
+    answered with its indices (``Batch(list(indices))``)."""
 
     # Answers come from elsewhere, as a pool's would: the engine sends ahead.
     TRAITS: ClassVar[BackendTraits] = OUT_OF_PROCESS
@@ -42,6 +71,9 @@ class FakeBackend:
         lose_on: set[int] | None = None,
         fail: set[int] | None = None,
         ends: dict[int, int] | None = None,
+        *,
+        spec: WorkerSpec | None = None,
+        base_seed: int = 0,
     ) -> None:
         self.num_workers = num_workers
         self.retired = False
@@ -61,12 +93,32 @@ class FakeBackend:
         self.started_passes = 0
         self.max_outstanding = 0
         self.awaited: list[tuple[int | None, dict[int, int]]] = []
+        # Running the loader's own dataset (``spec``): one slot per worker, and the answers
+        # its slots made, by (worker, task id), until they are due.
+        self.spec = spec
+        self.base_seed = base_seed
+        self.generation = 0
+        self.plans: list[PassPlan] = [PassPlan()] * num_workers
+        self.results: dict[tuple[int, int], Answer] = {}
+        self.slots: list[_Slot] = []
+        if spec is not None:
+            self.slots = [self._start_slot(w) for w in range(num_workers)]
+            if self.slots and self.slots[0].step.is_async:
+                raise NotImplementedError("the fake backend runs sync datasets only")
 
     # -- the seam --------------------------------------------------------------------------
 
     def start_pass(self, plans: list[PassPlan]) -> None:
         assert len(plans) == self.num_workers
+        if self.started_passes:
+            self.generation += 1
         self.started_passes += 1
+        # Answers to older passes' tasks are dropped.
+        self.pending.clear()
+        self.results.clear()
+        self.plans = list(plans)
+        for worker_id, slot in enumerate(self.slots):
+            slot.new_pass(self.generation, plans[worker_id])
 
     def submit(self, worker_id: int, task_id: int, indices: Any) -> None:
         assert not self.closed
@@ -77,12 +129,21 @@ class FakeBackend:
             return
         if worker_id in self.lost:
             return  # a dead worker answers nothing
+        if self.slots and task_id not in self.fail and not self._ended(worker_id, task_id):
+            self.results[(worker_id, task_id)] = self.slots[worker_id].run(
+                Task(task_id, self.generation, indices), self
+            )
         self.pending.append((time.monotonic() + self.delay(task_id), worker_id, task_id, indices))
         self.max_outstanding = max(self.max_outstanding, len(self.pending))
+
+    def _ended(self, worker_id: int, task_id: int) -> bool:
+        return worker_id in self.ends and task_id >= self.ends[worker_id]
 
     def _lose(self, worker_id: int) -> None:
         self.lost.append(worker_id)
         self.pending = [p for p in self.pending if p[1] != worker_id]
+        for key in [key for key in self.results if key[0] == worker_id]:
+            del self.results[key]
 
     def poll(self) -> list[Event]:
         now = time.monotonic()
@@ -91,9 +152,12 @@ class FakeBackend:
         self.pending = [p for p in self.pending if p[0] > now]
         for _, worker_id, task_id, indices in ready:
             self.answered.append(task_id)
-            if task_id in self.fail:
+            result = self.results.pop((worker_id, task_id), None)
+            if result is not None:
+                events.append(result)
+            elif task_id in self.fail:
                 events.append(Answer(worker_id, task_id, Failed(_worker_error(task_id))))
-            elif worker_id in self.ends and task_id >= self.ends[worker_id]:
+            elif self._ended(worker_id, task_id):
                 self.ended.append(task_id)
                 events.append(Answer(worker_id, task_id, StreamEnded()))
             else:
@@ -135,6 +199,12 @@ class FakeBackend:
 
     def restart(self, worker_id: int, plan: PassPlan | None = None) -> None:
         self.restarts.append(worker_id)
+        if plan is not None:
+            self.plans[worker_id] = plan
+        if self.slots:
+            # A fresh worker in the slot, as a pool starts one: set up anew, on the plan.
+            self.slots[worker_id] = slot = self._start_slot(worker_id)
+            slot.new_pass(self.generation, self.plans[worker_id])
 
     def abandon(self, worker_id: int) -> None:
         self.abandoned.append(worker_id)
@@ -150,6 +220,76 @@ class FakeBackend:
         self.closed = True
         self.retired = True
 
+    def _start_slot(self, worker_id: int) -> _Slot:
+        spec = self.spec
+        assert spec is not None
+        # The worker's own copy of what it runs, as a forked or spawned worker has.
+        payload = copy.deepcopy((spec.dataset, spec.collate_fn, spec.worker_init_fn))
+        config = spec.worker_config(
+            worker_id, self.base_seed, self.generation, payload=payload, shared_memory=False
+        )
+        return _Slot(config)
+
+
+class _Slot:
+    """One worker of the fake: its ``WorkerStep``, and the process-wide state a worker process
+    has to itself (the global RNGs, ``get_worker_info()``), swapped in around its every step
+    and the caller's put back after."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        from .._worker.main import WorkerStep
+
+        self.worker_id: int = config.worker_id
+        self.own: _Globals | None = None
+        with self.swapped_in():
+            self.step: WorkerStep = WorkerStep(config, slabs=None, place="beside")
+
+    @contextlib.contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        caller = _Globals()
+        if self.own is not None:
+            self.own.install()
+        try:
+            yield
+        finally:
+            self.own = _Globals()
+            caller.install()
+
+    def new_pass(self, generation: int, plan: PassPlan) -> None:
+        step = self.step
+        with self.swapped_in():
+            step.generation = max(step.generation, generation)
+            if step.init_error is None:
+                step.new_pass(plan)
+
+    def run(self, task: Task, backend: FakeBackend) -> Answer:
+        """Run ``task`` now, as the worker would; its answer, as the pool would decode it."""
+        step = self.step
+        started = time.perf_counter()
+        with self.swapped_in():
+            result = step.run(task)
+        stream = step.point_of(result)
+        # (The fetcher keeps a batch's samples until it is sent: it is, now.)
+        forget = getattr(step.fetcher, "forget", None)
+        if forget is not None:
+            forget()
+        outcome: Outcome
+        if isinstance(result, Produced):
+            outcome = Batch(result.data)
+        elif isinstance(result, StreamEnded):
+            outcome = result
+        else:
+            if getattr(result.error, "from_init", False):
+                backend.retired = True
+            outcome = Failed(result.error)
+        return Answer(
+            self.worker_id,
+            task.task_id,
+            outcome,
+            stream,
+            time.perf_counter() - started,
+        )
+
 
 def _conforms(backend: FakeBackend) -> WorkerBackend:
     # Type-checked: the fake honours the seam's every member, as the real backends must.
@@ -164,3 +304,54 @@ def _worker_error(task_id: int) -> Any:
         raise KeyError(f"bad sample in task {task_id}")
     except KeyError:
         return RemoteError(0)
+
+
+class _Globals:
+    """The global RNG states and ``get_worker_info()`` of this process, now."""
+
+    def __init__(self) -> None:
+        from .._worker.fetch import RngStates
+        from .._worker.info import get_worker_info
+
+        self.rng = RngStates()
+        self.info = get_worker_info()
+
+    def install(self) -> None:
+        from .._worker.info import _set_worker_info
+
+        self.rng.install()
+        _set_worker_info(self.info)
+
+
+class FakeWorkers:
+    """``DataLoader(..., num_workers=n, workers=FakeWorkers(...))``: the loader's workers as
+    the slots of a ``FakeBackend`` that runs the loader's own dataset in the calling process,
+    with no process forked, the scripts (``delay``, ``lose_on``, ``fail``, ``ends``, as
+    ``FakeBackend`` takes them) applied to each pass's backend. The backends made, one per
+    pass (or one for a persistent loader), are in ``made``."""
+
+    def __init__(
+        self,
+        delay: Callable[[int], float] = lambda task_id: 0.0,
+        lose_on: set[int] | None = None,
+        fail: set[int] | None = None,
+        ends: dict[int, int] | None = None,
+    ) -> None:
+        self.delay = delay
+        self.lose_on = set(lose_on or ())
+        self.fail = set(fail or ())
+        self.ends = dict(ends or {})
+        self.made: list[FakeBackend] = []
+
+    def make_backend(self, spec: WorkerSpec, base_seed: int) -> WorkerBackend:
+        backend = FakeBackend(
+            spec.num_workers,
+            self.delay,
+            self.lose_on,
+            self.fail,
+            self.ends,
+            spec=spec,
+            base_seed=base_seed,
+        )
+        self.made.append(backend)
+        return backend

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .base import WorkerBackend, WorkerSpec
 
 __all__ = ["RayWorkers"]
 
@@ -43,6 +46,12 @@ class RayWorkers:
         # (dataset, collate_fn, worker_init_fn) in the object store, put once per loader (one
         # RayWorkers per loader; a shared one keeps one object per dataset it has seen).
         self._payloads: dict[int, tuple[Any, Any]] = {}
+
+    def make_backend(self, spec: WorkerSpec, base_seed: int) -> WorkerBackend:
+        """The Ray actors of a pass (``_backends.choice.WorkerFactory``)."""
+        from .ray import RayBackend  # imports Ray: only when a pass needs it
+
+        return RayBackend(spec, base_seed, self)
 
     def payload_ref(self, spec: Any) -> Any:
         import ray
