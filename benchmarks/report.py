@@ -898,14 +898,24 @@ def current_block(text: str) -> str:
 
 
 RAY_BEGIN, RAY_END = "<!-- ray-bench:start -->", "<!-- ray-bench:end -->"
+# The many-core model (its inputs and predictions, written by hand from
+# ``python -m benchmarks.auto --model``): not a run's figures, so a run keeps it as it is.
+MODEL_BEGIN, MODEL_END = "<!-- model:start -->", "<!-- model:end -->"
+# Sections a run of ``make bench`` keeps from the page it replaces, appended in this order.
+KEPT_SECTIONS = ((MODEL_BEGIN, MODEL_END), (RAY_BEGIN, RAY_END))
+
+
+def keep_section(old: str, text: str, begin: str, end: str) -> str:
+    """``text`` with the section of ``old`` between ``begin`` and ``end`` appended."""
+    if begin not in old or end not in old:
+        return text
+    section = begin + old.split(begin, 1)[1].split(end, 1)[0] + end
+    return text.rstrip("\n") + "\n\n" + section + "\n"
 
 
 def keep_ray_section(old: str, text: str) -> str:
     """``text`` with the "Ray workers" section of ``old`` (``make bench-ray``) appended."""
-    if RAY_BEGIN not in old or RAY_END not in old:
-        return text
-    section = RAY_BEGIN + old.split(RAY_BEGIN, 1)[1].split(RAY_END, 1)[0] + RAY_END
-    return text.rstrip("\n") + "\n\n" + section + "\n"
+    return keep_section(old, text, RAY_BEGIN, RAY_END)
 
 
 SUMMARY_BEGIN = "<!-- bench-summary:begin (written by `make bench`; do not edit) -->"
@@ -959,13 +969,16 @@ def write_all(
         meta, rows, runs = merge_previous(js, meta, rows, runs)
         write_json(js, meta, rows, runs)
     write_png(png, rows, bool(meta["fake"]))
-    # The sweep's section (make bench-sweep) is kept as it was, and so is the "Ray workers"
-    # section (make bench-ray, benchmarks/ray.py), appended at the end.
+    # The sweep's section (make bench-sweep) is kept as it was, and so are the many-core
+    # model and the "Ray workers" section (make bench-ray, benchmarks/ray.py), appended at
+    # the end.
     old = md.read_text() if md.exists() else ""
     sweep = current_block(old)
     text = render_markdown(meta, rows, png.name)
     text = replace_block(text, sweep) if sweep else text
-    md.write_text(keep_ray_section(old, text))
+    for begin, end in KEPT_SECTIONS:
+        text = keep_section(old, text, begin, end)
+    md.write_text(text)
     written = [md, png] if from_json else [md, js, png]
     if out_dir.resolve().name == "docs" and not meta["fake"]:
         written += write_summaries(out_dir.resolve().parent, meta, rows)
