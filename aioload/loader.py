@@ -3,44 +3,39 @@
 from __future__ import annotations
 
 import copy
-import functools
-import inspect
 import warnings
-import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed
 import torch.utils.data
-from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import Dataset, Sampler
 
 from ._aio import lazy_import as _lazy
 from ._aio import sync_loop as _sync
-from ._backends.base import BackendKeeper, WorkerSpec
-from ._backends.choice import BackendChoice, WorkerFactory, choose_backend
+from ._backends.base import BackendKeeper
+from ._backends.choice import WorkerFactory
 from ._backends.ray_config import RayWorkers
-from ._engine.orchestrator import END, PENDING, Orchestrator, PassSetup
+from ._engine.orchestrator import END, PENDING, Orchestrator
 from ._engine.pinning import Transfer, make_transfer, torch_pin_plan
 from ._engine.resume import (
     FORMAT,
     PassProgress,
-    SamplerStack,
-    StreamPoint,
     YieldedPositions,
-    begin_pass,
-    check_generator_count,
-    generator_states,
-    next_points,
     parse_state,
-    start_points,
 )
-from ._engine.tuning import PassTuning, auto_arguments
-from ._worker.async_detect import is_async_dataset
-from ._worker.datapipes import SharedSeeds, is_datapipe, is_iter_datapipe, reseed, shard_in_process
-from ._worker.fetch import SamplePolicy, is_stateful
-from .stats import LoaderStats, PassStats, SkipCap, empty_stats
+from ._engine.setup import (
+    check_extras,
+    fit_state,
+    next_pass_progress,
+    pass_engine,
+    resolve_arguments,
+    shard_index_sampler,
+    torch_only_arguments,
+)
+from ._worker.datapipes import SharedSeeds
+from .stats import LoaderStats, PassStats, empty_stats
 
 __all__ = ["DataLoader"]
 
@@ -201,57 +196,21 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         snapshot_every_n_steps: int | None = 1,
         max_memory: int | None = None,
     ) -> None:
-        if shard not in ("auto", "none"):
-            raise ValueError(f"shard option should be 'auto' or 'none', but got shard={shard!r}")
-        # By default (shard="none") every rank iterates the whole dataset, as with torch's
-        # DataLoader, and nothing here talks to the other ranks: a loader built on one rank alone
-        # neither blocks nor drops data. With shard="auto", asked for, each rank iterates its own
-        # shard of the default sampler under torch.distributed. The shard is private and applies
-        # at iteration time only: the public ``sampler`` and ``batch_sampler`` describe the whole
-        # dataset, as torch's do, because frameworks read them to shard the data themselves
-        # (accelerate's prepare() wraps ``batch_sampler``; Lightning builds a DistributedSampler
-        # of ``dataset``). A sampler the user passes (such as a framework's DistributedSampler)
-        # is theirs, and left alone: no second shard. The rank is read here (no collective);
-        # shard="auto" with shuffle agrees on the shuffle seed here, a collective every rank
-        # must join.
-        self._rank, self._world_size = _distributed_rank()
-        shard_sampler: DistributedSampler[Any] | None = None
-        if (
-            shard == "auto"
-            and self._world_size > 1
-            and sampler is None
-            and batch_sampler is None
-            and not isinstance(dataset, IterableDataset)
-        ):
-            shard_sampler = DistributedSampler(
-                dataset,
-                num_replicas=self._world_size,
-                rank=self._rank,
-                shuffle=bool(shuffle),
-                seed=_shared_shuffle_seed(generator) if shuffle else 0,
-                drop_last=drop_last,
-            )
-        # num_workers / prefetch_factor / worker_concurrency "auto" (docs/tuning.md): torch sees
-        # the integers the workers are built with, and the controller keeps the rest.
-        auto = auto_arguments(
-            num_workers,
-            prefetch_factor,
-            worker_concurrency,
-            max_memory,
-            iterable=isinstance(dataset, IterableDataset),
-            is_async=is_async_dataset(dataset, int(isinstance(dataset, IterableDataset))),
+        resolved = resolve_arguments(
+            dataset,
+            shard=shard,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            drop_last=drop_last,
+            generator=generator,
+            num_workers=num_workers,
+            prefetch_factor=prefetch_factor,
+            worker_concurrency=worker_concurrency,
+            max_memory=max_memory,
         )
-        resolved: tuple[Any, Any, Any] = (num_workers, prefetch_factor, worker_concurrency)
-        if auto is not None:
-            resolved = (auto.num_workers, auto.prefetch_factor, auto.worker_concurrency)
-        elif worker_concurrency == "auto":
-            # A sync dataset fetches one sample at a time: "auto" has only 1 to choose from.
-            resolved = (num_workers, prefetch_factor, 1)
-        # (Typed as torch takes them; torch and _check_worker_concurrency validate them.)
-        workers_count: int = resolved[0]
-        prefetch: int | None = resolved[1]
-        concurrency: int = resolved[2]
-        self._tuner = auto.controller if auto is not None else None
+        self._rank, self._world_size = resolved.rank, resolved.world_size
+        self._tuner = resolved.tuner
         self.max_memory = max_memory
         # torch validates every argument, with its own messages, and builds the samplers.
         super().__init__(
@@ -260,7 +219,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             shuffle=shuffle,
             sampler=sampler,
             batch_sampler=batch_sampler,
-            num_workers=workers_count,
+            num_workers=resolved.num_workers,
             collate_fn=collate_fn,
             pin_memory=pin_memory,
             drop_last=drop_last,
@@ -268,41 +227,36 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             worker_init_fn=worker_init_fn,
             multiprocessing_context=multiprocessing_context,
             generator=generator,
-            prefetch_factor=prefetch,
+            prefetch_factor=resolved.prefetch_factor,
             persistent_workers=persistent_workers,
-            **_torch_only_arguments(pin_memory_device=pin_memory_device, in_order=in_order),
+            **torch_only_arguments(pin_memory_device=pin_memory_device, in_order=in_order),
         )
         # What the installed torch's DataLoader does not take, this one keeps itself.
         if not hasattr(self, "pin_memory_device"):
             self.pin_memory_device = pin_memory_device
         if not hasattr(self, "in_order"):
             self.in_order = in_order
-        if self.prefetch_factor == 0 and self.num_workers > 0:
-            # torch accepts 0 here and then fails inside its iterator; fail early and clearly.
-            raise ValueError("prefetch_factor option should be positive when num_workers > 0")
-        self.device = _check_device(device)
-        if not isinstance(max_worker_restarts, int) or max_worker_restarts < 0:
-            raise ValueError("max_worker_restarts option should be a non-negative integer")
-        if max_worker_restarts and self.num_workers == 0:
-            raise ValueError("max_worker_restarts option needs num_workers > 0")
-        if max_worker_restarts and isinstance(self.dataset, IterableDataset):
-            raise ValueError(
-                "max_worker_restarts is not supported with an IterableDataset: a replacement "
-                "worker would start its iterator over, so samples would repeat"
-            )
+        extras = check_extras(
+            self.dataset,
+            self._dataset_kind,
+            num_workers=self.num_workers,
+            prefetch_factor=self.prefetch_factor,
+            device=device,
+            max_worker_restarts=max_worker_restarts,
+            workers=workers,
+            worker_concurrency=resolved.worker_concurrency,
+            worker_init_fn=worker_init_fn,
+            on_sample_error=on_sample_error,
+            max_skipped=max_skipped,
+            sample_retries=sample_retries,
+            snapshot_every_n_steps=snapshot_every_n_steps,
+        )
+        self.device = extras.device
         self.max_worker_restarts = max_worker_restarts
-        if workers is not None and not isinstance(workers, WorkerFactory):
-            raise TypeError(
-                f"workers option should be None (local processes) or aioload.RayWorkers, but "
-                f"got workers={workers!r}"
-            )
         # None: local worker processes; RayWorkers (a WorkerFactory): the num_workers workers
         # as Ray actors.
         self.workers = workers
-        self.worker_concurrency = _check_worker_concurrency(
-            concurrency, self.dataset, self._dataset_kind, worker_init_fn
-        )
-        _check_sample_errors(on_sample_error, max_skipped, sample_retries)
+        self.worker_concurrency = extras.worker_concurrency
         # Bad samples (docs/reliability.md, "Bad samples"): skipped or raised after retries,
         # each skip recorded, within a cap per pass.
         self.on_sample_error = on_sample_error
@@ -314,21 +268,17 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         # between two snapshots re-reads the batches since the last one on resume); here the
         # state comes with every batch that needs it, so a checkpoint is exact at every step
         # and the value changes nothing (docs/resume.md).
-        self.snapshot_every_n_steps = _check_snapshot_steps(snapshot_every_n_steps)
+        self.snapshot_every_n_steps = extras.snapshot_every_n_steps
         # Every argument reads back under its own name (Lightning rebuilds a DataLoader subclass
         # from its __init__ signature and these attributes); torch keeps all but these.
         self.shuffle = shuffle
         self.shard = shard
-        self._shard_sampler = shard_sampler
+        self._shard_sampler = resolved.shard_sampler
         # This rank's batches (or indices, without automatic batching), in the shape torch's
         # _index_sampler has.
-        self._shard_index_sampler: Iterable[Any] | None = None
-        if shard_sampler is not None:
-            self._shard_index_sampler = (
-                shard_sampler
-                if self.batch_size is None
-                else torch.utils.data.BatchSampler(shard_sampler, self.batch_size, self.drop_last)
-            )
+        self._shard_index_sampler = shard_index_sampler(
+            resolved.shard_sampler, self.batch_size, self.drop_last
+        )
         # Every pass draws a tqdm bar (batches/s, live data-bound %); see aioload.progress.
         self.progress = progress
         # Which workers a pass runs on: fresh ones, or (persistent_workers) those kept.
@@ -404,7 +354,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         elif self._latest_pass is not None and not self._latest_pass.finished:
             progress, in_progress = self._latest_pass, True
         else:
-            progress, in_progress = self._next_pass_progress(), False
+            progress, in_progress = next_pass_progress(self), False
         state = progress.as_dict()
         state.update(
             format=FORMAT,
@@ -423,52 +373,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         parsed = parse_state(state)
         progress = parsed.progress
         in_progress = parsed.in_progress
-        iterable = self._dataset_kind == 1
-        if progress.iterable != iterable:
-            raise ValueError(
-                "aioload: the state was saved for a "
-                f"{'n iterable' if progress.iterable else ' map-style'} dataset, this loader has "
-                f"a{'n iterable' if iterable else ' map-style'} one"
-            )
-        streams = max(1, self.num_workers)
-        tuner = self._tuner
-        if iterable and in_progress and tuner is not None and tuner.per_pass_workers:
-            # num_workers="auto": the resumed pass runs a worker per saved stream.
-            streams = len(progress.streams) if tuner.workers.auto else streams
-        if len(progress.streams) != streams:
-            if iterable and in_progress:
-                raise ValueError(
-                    f"aioload: the state was saved with num_workers={parsed.num_workers}; an "
-                    "IterableDataset's streams are per worker, so resume it with the same number"
-                )
-            if any(point.has_state for point in progress.streams):
-                raise ValueError(
-                    f"aioload: the state holds the state_dict() of each of the "
-                    f"{len(progress.streams)} workers' copies of {type(self.dataset).__name__}"
-                    f" (saved with num_workers={parsed.num_workers}); they load only into a "
-                    f"loader with as many workers, and this one has num_workers="
-                    f"{self.num_workers}"
-                )
-            progress.streams = [StreamPoint() for _ in range(streams)]
-            progress.next_worker = 0
-        if any(point.dataset_state is not None for point in progress.streams) and not (
-            is_stateful(self.dataset)
-        ):
-            raise ValueError(
-                f"aioload: the state holds a state_dict() of the dataset, but "
-                f"{type(self.dataset).__name__} has no load_state_dict(); build the loader "
-                "with the same dataset"
-            )
-        if progress.sampler is not None and progress.sampler.state is not None and not iterable:
-            stack = SamplerStack(self._index_sampler)
-            if not stack.target_stateful:
-                raise ValueError(
-                    "aioload: the state holds a state_dict() of the sampler, but "
-                    f"{type(stack.target).__name__} has no load_state_dict(); build the loader "
-                    "with the same sampler"
-                )
-        # Checked now: a mismatch found when the next pass starts would drop the state.
-        check_generator_count(progress.rng["generators"], self._generators())
+        fit_state(self, parsed)
         if self._shard_sampler is not None and parsed.shard_seed is not None:
             self._shard_sampler.seed = parsed.shard_seed
         if progress.sample_seed is not None:
@@ -488,22 +393,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         self._number_next_pass(progress.epoch)
         self._pending_resume = progress
         self._pending_in_progress = in_progress
-
-    def _next_pass_progress(self) -> PassProgress:
-        """The state between passes: the next pass, as it will start."""
-        reusable = self._pool_reusable()
-        iterable = self._dataset_kind == 1
-        return PassProgress(
-            epoch=self._next_epoch,
-            rng=self._rng_snapshot(),
-            sample_seed=self._sample_seed,
-            iterable=iterable,
-            num_streams=max(1, self.num_workers),
-            drew_base_seed=not reusable,
-            streams=next_points(self.num_workers, self.dataset, self._latest_pass, reusable),
-            worker_seed=self._pool_seed if reusable else None,
-            sampler=None if iterable else SamplerStack(self._index_sampler).state_now(),
-        )
 
     def _pool_reusable(self) -> bool:
         """Whether the next pass runs on the live persistent workers (and so draws no seed)."""
@@ -525,12 +414,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
                 found.append(generator)
         return found
 
-    def _rng_snapshot(self) -> dict[str, Any]:
-        return {
-            "torch": torch.get_rng_state(),
-            "generators": generator_states(self._generators()),
-        }
-
     @property
     def _index_sampler(self) -> Any:
         """What a pass draws its indices from: this rank's shard under ``shard="auto"``, else
@@ -550,7 +433,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         `persistent_workers`). No event loop is involved; the calling thread blocks only while
         it waits for a batch. `close()` on the iterator stops the pass's workers at once;
         dropping it does the same."""
-        iterator = _SyncIterator(self._engine(offload_inline=False), len_fn=self.__len__)
+        iterator = _SyncIterator(pass_engine(self, offload_inline=False), len_fn=self.__len__)
         if self.progress:
             from . import _progress  # only a loader with a progress bar needs it
 
@@ -564,183 +447,21 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         workers. The iterator is an async context manager; `await it.aclose()` stops its
         workers without blocking the loop."""
         _lazy.warm_async()
-        iterator = _AsyncIterator(self._engine(offload_inline=True))
+        iterator = _AsyncIterator(pass_engine(self, offload_inline=True))
         if self.progress:
             from . import _progress
 
             return _progress.wrap_async(iterator, self, {})
         return iterator
 
-    # -- one engine --------------------------------------------------------------------------
-
-    def _spec(self) -> WorkerSpec:
-        return WorkerSpec(
-            dataset=self.dataset,
-            dataset_kind=self._dataset_kind,
-            auto_collation=self._auto_collation,
-            collate_fn=self.collate_fn,
-            drop_last=self.drop_last,
-            worker_init_fn=self.worker_init_fn,
-            num_workers=self.num_workers,
-            prefetch_factor=self._prefetch_depth(),
-            multiprocessing_context=self.multiprocessing_context,
-            # Stack straight into the shared-memory slab when the collate is torch's default.
-            slab_collate=self.collate_fn is default_collate,
-            rank=self._rank,
-            world_size=self._world_size,
-            worker_concurrency=self.worker_concurrency,
-            sample_policy=SamplePolicy(self.on_sample_error, self.sample_retries),
-        )
-
-    def _skip_cap(self) -> SkipCap | None:
-        """max_skipped for a pass; a fraction is of the sampler's length (an IterableDataset's
-        ``len``, where it has one)."""
-        if self.max_skipped is None:
-            return None
-        total: int | None = None
-        if isinstance(self.max_skipped, float):
-            try:
-                total = len(self.dataset if self._dataset_kind == 1 else self.sampler)  # type: ignore[arg-type]
-            except TypeError:
-                total = None
-        return SkipCap(self.max_skipped, total)
-
-    def _draw_shared_seed(self) -> int:
-        return self._shared_seeds.draw(self.generator)
-
-    def _prefetch_depth(self) -> int:
-        """Batches in flight per worker for the next pass. Read at each pass, as torch does:
-        ``num_workers`` may be changed after construction (it is not a locked attribute), and
-        then ``prefetch_factor`` is stale. Torch ignores it without workers (one batch at a
-        time in the calling process) and uses it as is with them; ``None`` there (a loader
-        built with ``num_workers=0``) makes torch's iterator fail with a TypeError, where we
-        take 1 rather than fail."""
-        if self.num_workers == 0:
-            return 1
-        return self.prefetch_factor or 1
-
-    def _draw_base_seed(self) -> int:
-        # Exactly torch's draw, at the same point (after iter(sampler), before any sampling),
-        # so a loader built with the same generator or global seed sees the same sequence.
-        return int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
-
     def _transfer(self) -> Transfer | None:
-        """The pin / host-to-device stage this pass needs, if any: ``pin_memory`` pins, and
-        warns, as the installed torch's iterator does (see ``torch_pin_plan``)."""
+        """The pin / host-to-device stage a pass needs, if any: ``pin_memory`` pins, and warns,
+        as the installed torch's iterator does (see ``torch_pin_plan``)."""
         plan = torch_pin_plan(self.pin_memory, self.pin_memory_device)
         plan.warn(stacklevel=4)
         return make_transfer(plan, self.device)
 
-    def _engine(self, offload_inline: bool) -> Orchestrator:
-        """One pass: its setup, its backend (made on its first next()), and its engine."""
-        setup, backend = self._pass_setup(offload_inline)
-        self._pass_stats = PassStats(
-            max(1, self.num_workers),
-            in_process=self.num_workers == 0,
-            auto_collation=self._auto_collation,
-        )
-        # One list, appended to as batches are delivered: stats() and state_dict() read it.
-        self._pass_stats.skipped = setup.progress.skipped
-        if self._tuner is not None:
-            # "auto": the pass feeds its counters to the controller (also stats()["tuning"]).
-            setup = setup._replace(tuning=PassTuning(self._tuner, self._pass_stats))
-        engine = Orchestrator(
-            backend.make, setup, owns_backend=backend.owned, stats=self._pass_stats
-        )
-        if backend.owned:
-            # Also on garbage collection of an abandoned pass (``break``, ``del``) and at exit.
-            weakref.finalize(engine, engine.owned.close)
-        else:
-            self._workers.current_pass = weakref.ref(engine)
-        return engine
-
-    def _begin_tuned_pass(self, resume: PassProgress | None, reuse_workers: bool) -> None:
-        """num_workers="auto" with an IterableDataset: each worker holds its own stream, so
-        the count is chosen for the whole pass, here (from the last pass's measurements), and
-        held while persistent workers are kept or a checkpoint's streams are resumed."""
-        tuner = self._tuner
-        assert tuner is not None
-        hold: int | None = None
-        if reuse_workers:
-            hold = self.num_workers
-        elif resume is not None and self._pending_in_progress and tuner.per_pass_workers:
-            hold = len(resume.streams)
-        tuner.begin_pass(hold)
-        if tuner.per_pass_workers and tuner.workers.auto:
-            self.num_workers = tuner.pass_workers()
-
-    def _pass_setup(self, offload_inline: bool) -> tuple[PassSetup, BackendChoice]:
-        """The one place a pass is described: its number, its randomness (drawn or replayed,
-        see ``_engine.resume.begin_pass``), its workers and its settings."""
-        transfer = self._transfer()
-        epoch = self._next_epoch
-        self._next_epoch = epoch + 1
-        if self._shard_sampler is not None:
-            self._shard_sampler.set_epoch(epoch)
-        resume, self._pending_resume = self._pending_resume, None
-        reuse_workers = self._pool_reusable()
-        if self._tuner is not None:
-            self._begin_tuned_pass(resume, reuse_workers)
-        points, load_points = start_points(
-            self.num_workers, self.dataset, self._latest_pass, resume, reuse_workers
-        )
-        start = begin_pass(
-            epoch=epoch,
-            resume=resume,
-            in_progress=resume is not None and self._pending_in_progress,
-            reuse_workers=reuse_workers,
-            index_sampler=self._index_sampler,
-            generators=self._generators(),
-            draw_base_seed=self._draw_base_seed,
-            sample_seed=self._sample_seed,
-            seed_per_sample=self.seed_per_sample,
-            iterable=self._dataset_kind == 1,
-            num_streams=max(1, self.num_workers),
-            rank=self._rank,
-            draw_shared_seed=(self._draw_shared_seed if is_iter_datapipe(self.dataset) else None),
-            starts_workers=self.num_workers > 0,
-            points=points,
-            load_points=load_points,
-            worker_seed=self._pool_seed if reuse_workers else None,
-        )
-        self._sample_seed = start.sample_seed
-        self._latest_pass = start.progress
-        if self.num_workers > 0 and not reuse_workers:
-            self._pool_seed = start.base_seed  # the workers this pass starts
-        if start.shared_seed is not None:
-            # The calling process's copy too, as torch seeds it (what num_workers=0 reads).
-            reseed(self.dataset, start.shared_seed)
-        if self.num_workers == 0 and is_datapipe(self.dataset):
-            shard_in_process(self.dataset, self._world_size, self._rank)
-
-        if self.num_workers == 0 and self.timeout != 0:
-            refusal = _single_process_timeout_error()
-            if refusal is not None:
-                raise refusal
-        backend = choose_backend(
-            self._spec(),
-            keeper=self._workers,
-            base_seed=start.base_seed,
-            workers=self.workers,
-            async_front=offload_inline,
-        )
-
-        setup = PassSetup(
-            batches=start.batches,
-            num_workers=max(1, self.num_workers),
-            prefetch=self._prefetch_depth(),
-            in_order=self.in_order,
-            timeout=self.timeout,
-            max_worker_restarts=self.max_worker_restarts,
-            progress=start.progress,
-            plans=start.plans,
-            traits=backend.traits,
-            transfer=transfer,
-            iterable_len=self._IterableDataset_len_called,
-            dataset=self.dataset,
-            skip_cap=self._skip_cap(),
-        )
-        return setup, backend
+    # -- stats and persistent workers ---------------------------------------------------------
 
     def stats(self) -> LoaderStats:
         """A snapshot of the current pass, or of the last one if none is running (an empty one
@@ -756,177 +477,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
     def shutdown(self) -> None:
         """Stop persistent workers now rather than when the loader is collected."""
         self._workers.shutdown()
-
-
-@functools.cache
-def _torch_parameters() -> frozenset[str]:
-    """The arguments the installed torch's DataLoader takes."""
-    return frozenset(inspect.signature(torch.utils.data.DataLoader.__init__).parameters)
-
-
-def _torch_only_arguments(**arguments: Any) -> dict[str, Any]:
-    """Those of ``arguments`` that the installed torch's DataLoader takes (``in_order`` came
-    with torch 2.6; ``pin_memory_device`` is deprecated from 2.9, and may go)."""
-    accepted = _torch_parameters()
-    return {name: value for name, value in arguments.items() if name in accepted}
-
-
-def _single_process_timeout_error() -> AssertionError | None:
-    """What torch's single-process iterator raises for ``timeout > 0``: a bare ``assert`` up to
-    torch 2.9 (no message), an AssertionError that says why from 2.10 on, nothing under
-    ``python -O`` where that assert is stripped."""
-    arguments = _torch_single_process_timeout_refusal()
-    return None if arguments is None else AssertionError(*arguments)
-
-
-@functools.cache
-def _torch_single_process_timeout_refusal() -> tuple[Any, ...] | None:
-    """The arguments of torch's refusal, asked of torch on an empty loader (with a generator of
-    its own: the iterator draws a seed, which must not come from the global RNG)."""
-    nothing: Any = []
-    probe: torch.utils.data.DataLoader[Any]
-    probe = torch.utils.data.DataLoader(nothing, timeout=1, generator=torch.Generator())
-    try:
-        iter(probe)
-    except AssertionError as error:
-        return error.args
-    return None
-
-
-def _distributed_rank() -> tuple[int, int]:
-    """(rank, world size) under an initialized torch.distributed, else (0, 1)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-def _shared_shuffle_seed(generator: torch.Generator | None) -> int:
-    """One shuffle seed for every rank: each rank draws (so all ranks use their RNGs alike),
-    and rank 0's draw is broadcast. A collective: every rank builds its loader, as with
-    DistributedSampler."""
-    drawn = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
-    shared: list[Any] = [drawn]
-    torch.distributed.broadcast_object_list(shared, src=0)
-    return int(shared[0])
-
-
-def _check_worker_concurrency(
-    worker_concurrency: int, dataset: Any, dataset_kind: int, worker_init_fn: Any
-) -> int:
-    """Validate ``worker_concurrency`` (and an async ``worker_init_fn``) against the dataset:
-    concurrency comes from an async dataset's coroutines, which a sync dataset has none of."""
-    if (
-        not isinstance(worker_concurrency, int)
-        or isinstance(worker_concurrency, bool)
-        or worker_concurrency < 1
-    ):
-        raise ValueError(
-            "worker_concurrency option should be a positive integer, but got "
-            f"worker_concurrency={worker_concurrency!r}"
-        )
-    is_async = is_async_dataset(dataset, dataset_kind)
-    if worker_concurrency > 1 and not is_async:
-        raise ValueError(
-            f"worker_concurrency={worker_concurrency} needs an async dataset (`async def "
-            "__getitem__`, `async def __getitems__` or `__aiter__`); "
-            f"{type(dataset).__name__} is synchronous, so each worker fetches one sample at a "
-            "time (use more workers, or make the dataset async)"
-        )
-    if inspect.iscoroutinefunction(worker_init_fn) and not is_async:
-        raise ValueError(
-            "an async worker_init_fn needs an async dataset: it is awaited on the event loop "
-            f"an async dataset's worker runs, and {type(dataset).__name__} is synchronous"
-        )
-    return worker_concurrency
-
-
-def _check_snapshot_steps(value: Any) -> int | None:
-    if value is not None and (type(value) is not int or value < 0):
-        raise ValueError(
-            "snapshot_every_n_steps option should be None or a non-negative integer, but got "
-            f"snapshot_every_n_steps={value!r}"
-        )
-    return value
-
-
-def _check_sample_errors(on_sample_error: Any, max_skipped: Any, sample_retries: Any) -> None:
-    if not (on_sample_error in ("raise", "skip") or callable(on_sample_error)):
-        raise ValueError(
-            "on_sample_error option should be 'raise', 'skip' or a callable "
-            "(index, exception) -> 'raise' | 'skip', but got "
-            f"on_sample_error={on_sample_error!r}"
-        )
-    if max_skipped is not None:
-        if isinstance(max_skipped, bool) or not isinstance(max_skipped, (int, float)):
-            valid = False
-        elif isinstance(max_skipped, float):
-            valid = 0.0 < max_skipped < 1.0
-        else:
-            valid = max_skipped >= 0
-        if not valid:
-            raise ValueError(
-                "max_skipped option should be None, a non-negative integer (a count) or a "
-                f"float in (0, 1) (a fraction of the pass's samples), but got "
-                f"max_skipped={max_skipped!r}"
-            )
-        if on_sample_error == "raise":
-            raise ValueError(
-                "max_skipped caps skipped samples, but on_sample_error='raise' skips none: "
-                "pass on_sample_error='skip' (or a callable) with it"
-            )
-    if (
-        not isinstance(sample_retries, int)
-        or isinstance(sample_retries, bool)
-        or sample_retries < 0
-    ):
-        raise ValueError(
-            "sample_retries option should be a non-negative integer, but got "
-            f"sample_retries={sample_retries!r}"
-        )
-
-
-def _check_device(device: str | torch.device | None) -> torch.device | None:
-    """Validate ``device`` now, with a clear error, rather than in the middle of a pass.
-
-    Where no accelerator is usable (a CPU-only build, or a CUDA build on a machine without a
-    GPU or driver), an accelerator ``device`` goes the way torch takes ``pin_memory=True``
-    there: one warning, and batches stay on the CPU, so one script runs on both machines. An
-    accelerator that is there but is not the one named, or a device index past the last, is
-    an error."""
-    if device is None:
-        return None
-    resolved = torch.device(device)
-    if resolved.type == "cpu":
-        return None
-    if not torch.accelerator.is_available():
-        warnings.warn(
-            f"aioload: 'device' argument is set as {str(device)!r} but no accelerator is "
-            "found, then batches stay on the CPU.",
-            UserWarning,
-            stacklevel=3,
-        )
-        return None
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                f"aioload: device={str(device)!r} needs CUDA, but the accelerator here is "
-                f"{torch.accelerator.current_accelerator()}."
-            )
-        if resolved.index is None:
-            resolved = torch.device("cuda", torch.cuda.current_device())
-        elif resolved.index >= torch.cuda.device_count():
-            raise RuntimeError(
-                f"aioload: device={str(device)!r} does not exist: "
-                f"{torch.cuda.device_count()} CUDA device(s) are visible."
-            )
-        return resolved
-    accelerator = torch.accelerator.current_accelerator()
-    if accelerator is None or accelerator.type != resolved.type:
-        raise RuntimeError(
-            f"aioload: device={str(device)!r} is not available here "
-            f"(current accelerator: {accelerator})."
-        )
-    return resolved
 
 
 class _SyncIterator:

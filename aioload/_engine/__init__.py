@@ -1,1 +1,2 @@
-"""The engine: one orchestrator per pass (dispatch, reorder, health, shutdown), resume, pinning."""
+"""The engine: one orchestrator per pass (dispatch, reorder, health, shutdown), resume, pinning,
+tuning, and the loader's setup (its arguments checked, each pass described)."""
