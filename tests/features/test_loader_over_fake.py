@@ -173,3 +173,51 @@ def test_an_iterable_dataset_shards_by_worker_info() -> None:
     fake = FakeWorkers(delay=lambda task_id: 0.002 * (6 - task_id) if task_id < 6 else 0.0)
     got = [batch.tolist() for batch in _loader(fake, _Sharded(11), num_workers=2, batch_size=2)]
     assert got == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9]]
+
+
+class _Range(IterableDataset[int]):
+    """torch's documented pattern: ``worker_init_fn`` narrows each worker's copy of the
+    dataset to its own part of the range."""
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end
+
+    def __iter__(self) -> Any:
+        return iter(range(self.start, self.end))
+
+
+def _split_range(worker_id: int) -> None:
+    info = get_worker_info()
+    assert info is not None and info.id == worker_id
+    dataset = info.dataset
+    per_worker = -(-(dataset.end - dataset.start) // info.num_workers)
+    dataset.start += worker_id * per_worker
+    dataset.end = min(dataset.start + per_worker, dataset.end)
+
+
+def test_worker_init_fn_runs_once_per_worker_on_its_own_copy() -> None:
+    dataset = _Range(0, 8)
+    got = [
+        batch.tolist()
+        for batch in _loader(
+            FakeWorkers(), dataset, num_workers=2, batch_size=2, worker_init_fn=_split_range
+        )
+    ]
+    assert got == [[0, 1], [4, 5], [2, 3], [6, 7]]
+    assert (dataset.start, dataset.end) == (0, 8), "the loader's own dataset is untouched"
+
+
+def test_persistent_workers_keep_their_slots_across_epochs() -> None:
+    fake = FakeWorkers(delay=lambda task_id: 0.001 * (task_id % 2))
+    loader = _loader(fake, persistent_workers=True, shuffle=True)
+    epochs = [_rows(loader) for _ in range(2)]
+    assert len(fake.made) == 1 and fake.made[0].started_passes == 2
+    for batches in epochs:
+        assert sorted(i for batch in _indices(batches) for i in batch) == list(range(24))
+    # Each worker's RNGs go on from where its last epoch left them, as a kept process's do.
+    assert epochs[0] != epochs[1]
+    loader.shutdown()
+    assert fake.made[0].closed
+    pool = _loader(None, persistent_workers=True, shuffle=True)
+    assert [_rows(pool) for _ in range(2)] == epochs
+    pool.shutdown()
