@@ -1,21 +1,26 @@
-"""Waiting on the caller's event loop without blocking it: the readiness wait that the engine
-awaits between answers, and the thread hop for the blocking steps of a pass's start and end.
+"""Waiting without blocking the caller's event loop: the engine's sleep between two polls of
+its backend (``Waiter``, on the descriptor the backend offers and the engine's own wake-up
+pipe), the readiness wait under it (``ReadableWait``), and the thread hop for the blocking
+steps of a pass's start and end.
 
-Both work under asyncio (and uvloop) without importing anyio, and under trio through anyio.
+All of it works under asyncio (and uvloop) without importing anyio, and under trio through
+anyio; ``Waiter`` also blocks the calling thread for the sync front end, with no loop at all.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
-import selectors
+import select
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ["ReadableWait", "WakeWatch", "run_off_loop", "running_asyncio_loop"]
+__all__ = ["Descriptor", "ReadableWait", "Waiter", "run_off_loop", "running_asyncio_loop"]
 
 T = TypeVar("T")
 
@@ -58,6 +63,8 @@ class ReadableWait:
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
+        # The process whose loop it watches: a forked child's copy must not touch that loop.
+        self._pid = os.getpid()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watched: int | None = None  # the duplicate registered with ``_loop``
         self._waiter: asyncio.Future[bool] | None = None
@@ -86,11 +93,13 @@ class ReadableWait:
         waiter: asyncio.Future[bool] = loop.create_future()
         self._waiter = waiter
         self._unheard = 0
-        timer = loop.call_later(timeout, _settle, waiter, False)
+        # (No timer for a wait without end: a loop's timers need a finite time.)
+        timer = None if timeout == math.inf else loop.call_later(timeout, _settle, waiter, False)
         try:
             return await waiter
         finally:
-            timer.cancel()
+            if timer is not None:
+                timer.cancel()
             self._waiter = None
 
     def _readable(self) -> None:
@@ -110,7 +119,11 @@ class ReadableWait:
             self.close()
 
     def close(self) -> None:
-        """Stop watching. From any thread: the loop's own thread removes the reader."""
+        """Stop watching. From any thread: the loop's own thread removes the reader. In a
+        forked child (a copy of a pass collected there), only the duplicate is closed."""
+        if os.getpid() != self._pid:
+            self.forget_after_fork()
+            return
         loop, watched = self._loop, self._watched
         self._loop = self._watched = None
         if loop is None or watched is None:
@@ -208,31 +221,112 @@ async def _in_own_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], T]) -
             thread.join()
 
 
-class WakeWatch:
-    """The engine's wake-up descriptor (its pin stage's pipe) among the descriptors a backend's
-    selector watches, so that the backend's one wait also ends when the stage has a batch.
+class Descriptor:
+    """A descriptor that a backend offers the engine to wait on (``WorkerBackend.waitable``):
+    readable when the backend's ``poll`` may have something. One object per open file: the
+    engine's waits keep a duplicate of it registered from wait to wait, and a new file the
+    backend makes (a new epoll, after a worker was replaced) may reuse the old one's number,
+    so the engine tells them apart by the object, never by the number.
 
-    The engine hands the descriptor to every wait; it changes only from pass to pass. The
-    previous pass's pipe is closed by the time a new pass starts, and its number may come
-    back for the new pipe: a closed descriptor leaves epoll by itself, so the selector's
-    record of it must go too (``forget``), or the new pipe would never be registered.
+    The backend owns and closes the descriptor; a wait holds its own duplicate meanwhile."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+
+class Waiter:
+    """The engine's sleep between two polls of its backend: until the backend's descriptor is
+    readable, the engine's own wake-up descriptor is (its pin stage's pipe, which the backend
+    never sees), or a timeout passes. Async under asyncio, uvloop and trio (``wait``); in the
+    calling thread for the sync front end (``wait_blocking``). Both report whether anything
+    woke them.
+
+    What it watches is made once per backend descriptor and kept from wait to wait: under
+    asyncio a reader stays on the loop (see ``ReadableWait``), and making it costs two
+    ``epoll_ctl`` calls and the loop's bookkeeping. One descriptor is watched as it is; the
+    backend's and the wake-up pipe together through an epoll of the waiter's own, since the
+    loop's one reader (and trio's one ``wait_readable``) watches one descriptor. With nothing
+    to watch, a wait sleeps out its timeout.
     """
 
-    def __init__(self, selector: selectors.BaseSelector, data: object) -> None:
-        self._selector = selector
-        self._data = data  # what the selector's key carries, to tell this descriptor apart
-        self.fd: int | None = None
+    def __init__(self, wake_fd: int | None) -> None:
+        self._wake_fd = wake_fd
+        # What the watch below was made for, and whether one was made.
+        self._source: Descriptor | None = None
+        self._made = False
+        self._fds: tuple[int, ...] = ()
+        self._epoll: select.epoll | None = None  # the backend's and the wake-up pipe together
+        self._readable: ReadableWait | None = None  # the async wait, made on first use
+        self._poller: select.poll | None = None  # the blocking wait, made on first use
 
-    def watch(self, fd: int | None) -> None:
-        if fd == self.fd:
+    def _watch(self, source: Descriptor | None) -> None:
+        if self._made and source is self._source:
             return
-        self.forget()
-        self.fd = fd
-        if fd is not None:
-            self._selector.register(fd, selectors.EVENT_READ, self._data)
+        self.close()
+        self._source, self._made = source, True
+        fds = [source.fd] if source is not None else []
+        self._fds = (*fds, self._wake_fd) if self._wake_fd is not None else tuple(fds)
 
-    def forget(self) -> None:
-        fd, self.fd = self.fd, None
-        if fd is not None:
-            with contextlib.suppress(KeyError, ValueError, OSError):
-                self._selector.unregister(fd)
+    async def wait(self, source: Descriptor | None, timeout: float) -> bool:
+        """Wait, without blocking the loop, until ``source`` or the wake-up pipe is readable
+        (True) or ``timeout`` seconds pass (False). Cancellable like any await."""
+        self._watch(source)
+        if not self._fds:
+            return await _sleep(timeout)
+        if self._readable is None:
+            fd = self._fds[0]
+            if len(self._fds) > 1:
+                epoll = self._epoll = select.epoll()
+                for each in self._fds:
+                    epoll.register(each, select.EPOLLIN)
+                fd = epoll.fileno()
+            self._readable = ReadableWait(fd)
+        return await self._readable.wait(timeout)
+
+    def wait_blocking(self, source: Descriptor | None, timeout: float) -> bool:
+        """``wait`` in the calling thread, with no loop. Ctrl-C interrupts it as it would any
+        blocking call."""
+        self._watch(source)
+        if not self._fds:
+            if timeout != math.inf:
+                time.sleep(timeout)
+            return False
+        if self._poller is None:
+            self._poller = select.poll()
+            for fd in self._fds:
+                self._poller.register(fd, select.POLLIN)
+        return bool(_poll_blocking(self._poller, timeout))
+
+    def close(self) -> None:
+        """Stop watching; from any thread (the loop's own thread removes its reader)."""
+        readable, epoll = self._readable, self._epoll
+        self._readable = self._epoll = self._poller = None
+        self._made = False
+        if readable is not None:
+            readable.close()
+        if epoll is not None:
+            # (The loop watches a duplicate of it, which it closes itself.)
+            epoll.close()
+
+
+async def _sleep(timeout: float) -> bool:
+    """Nothing to watch: sleep out ``timeout`` (at once for a wait without end, which nothing
+    could end)."""
+    if timeout == math.inf:
+        return False
+    if running_asyncio_loop() is None:
+        import anyio
+
+        await anyio.sleep(timeout)
+    else:
+        await asyncio.sleep(timeout)
+    return False
+
+
+def _poll_blocking(poller: select.poll, timeout: float) -> list[tuple[int, int]]:
+    """``poller.poll()`` for at most ``timeout`` seconds (poll takes milliseconds, and rounds a
+    fraction up). A function of its own so that a profile tells the sleep from the work around
+    it (``benchmarks.parent_profile``)."""
+    return poller.poll(None if timeout == math.inf else timeout * 1e3)

@@ -10,10 +10,15 @@ The orchestrator (``_engine/orchestrator.py``) schedules ``(task_id, indices)`` 
 Everything a backend says to the engine is a ``_wire.messages.Event``: an ``Answer`` to a task, or a
 ``WorkerLost``. Health checks, descriptors and transports stay inside each backend; restart
 policy (how many, which tasks go again) is the engine's, the same for every backend.
+
+Waiting is the engine's too: a backend offers what can end a sleep (``Waitable``: a descriptor,
+a budget, or work to run in the caller) and the engine sleeps on it together with its own
+wake-up pipe, so no backend needs to know of the engine's descriptors.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, runtime_checkable
@@ -21,6 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, runtime_c
 from .._wire.messages import Event, PassPlan
 
 if TYPE_CHECKING:
+    from .._aio.waiting import Descriptor
     from .._worker.fetch import FetchSpec, SamplePolicy
     from .._worker.main import WorkerConfig
 
@@ -29,7 +35,9 @@ __all__ = [
     "OUT_OF_PROCESS",
     "BackendKeeper",
     "BackendTraits",
+    "CallerWork",
     "TunableBackend",
+    "Waitable",
     "WorkerBackend",
     "WorkerSpec",
 ]
@@ -56,6 +64,33 @@ IN_PROCESS = BackendTraits(slow_start=False, runs_ahead=False)
 OUT_OF_PROCESS = BackendTraits(slow_start=True, runs_ahead=True)
 
 
+class CallerWork(Protocol):
+    """Work that a backend must run in the caller before its ``poll`` can have an answer: the
+    fetch itself, where the calling process is the worker (``num_workers=0``). The engine runs
+    it in place of a sleep; there is nothing to wait for that does not run here."""
+
+    async def work(self) -> None:
+        """Under ``async for``: run it without blocking the loop (in a thread, or awaited)."""
+
+    def work_blocking(self) -> bool:
+        """Under ``for``: run it in the calling thread. False, having run nothing, where it
+        needs an event loop (an async dataset); the front end then runs ``work`` on its own."""
+
+
+class Waitable(NamedTuple):
+    """What a backend offers the engine to sleep on (``WorkerBackend.waitable``)."""
+
+    # Readable when ``poll`` may have something (an answer, a lost worker); None: nothing the
+    # engine can watch (it sleeps out the budget, or until its own wake-up).
+    descriptor: Descriptor | None = None
+    # How long the engine may sleep before it must ``poll`` anyway, whatever the descriptor
+    # says (seconds): a backend's health checks run in ``poll`` and need it to come round,
+    # and a backend may know when its next answer is due. 0: ``poll`` has something now.
+    budget: float = math.inf
+    # Where the answer comes from work done in the caller, that work, run instead of a sleep.
+    work: CallerWork | None = None
+
+
 class WorkerBackend(Protocol):
     """What the engine needs from whatever runs its workers."""
 
@@ -72,30 +107,26 @@ class WorkerBackend(Protocol):
         ``i`` makes its fetcher from ``plans[i]``."""
 
     def submit(self, worker_id: int, task_id: int, indices: Any) -> None:
-        """Ask worker ``worker_id`` for one batch. May be buffered until ``poll``/``wait``."""
+        """Ask worker ``worker_id`` for one batch. May be buffered until ``poll``/``waitable``."""
 
     def poll(self) -> list[Event]:
         """Send what was submitted; return every answer and loss that has arrived, without
-        waiting. A lost worker's answers sent before it died come first."""
+        waiting. A lost worker's answers sent before it died come first. Runs at least once
+        per ``Waitable.budget``, so a backend's health checks live here."""
 
-    async def wait(
-        self, deadline: float, wake_fd: int | None = None, awaited: int | None = None
-    ) -> None:
-        """Wait until ``poll`` may have something, ``wake_fd`` is readable (the pin stage),
-        or ``deadline`` (``time.monotonic()`` seconds) passes. Never blocks the event loop.
-        ``awaited``: as in ``wait_blocking``."""
+    def waitable(self, awaited: int | None) -> Waitable:
+        """What the engine may sleep on before its next ``poll``, asked just before it sleeps:
+        so a backend also sends here what it still holds back (a staggered start's forks,
+        outboxes), since the workers must have it while the engine sleeps.
 
-    def wait_blocking(
-        self, deadline: float, wake_fd: int | None = None, awaited: int | None = None
-    ) -> bool:
-        """``wait`` for the sync front end: blocks the calling thread, with no event loop.
-        Returns False at once, having waited for nothing, where waiting needs a loop (an async
-        dataset in the calling process); the front end then runs ``wait`` on its own loop.
+        The engine does the waiting, not the backend: it also waits on descriptors of its own
+        (the pin stage's), and one sleep must cover both, under asyncio, uvloop and trio and in
+        the sync front end's thread alike. A backend only says what can end the sleep.
 
         ``awaited`` is the worker whose answer the consumer needs next, where the engine knows
-        it (in-order delivery): a backend may then sleep until that worker answers (or any
-        worker is lost, or ``wake_fd`` or ``deadline``) rather than until any answer arrives.
-        The others' answers are taken in by the ``poll`` after the wait."""
+        it (in-order delivery): a backend may then offer a descriptor that only that worker's
+        answers (and any worker's loss) make readable, rather than any answer. The others'
+        answers are taken in by the ``poll`` after the sleep."""
 
     def restart(self, worker_id: int, plan: PassPlan | None = None) -> None:
         """Replace a lost worker in its slot, on this pass's plan (or ``plan``: where the lost

@@ -40,7 +40,7 @@ from .._wire.messages import (
     WorkerLost,
 )
 from ..errors import WorkerDiedError
-from .base import OUT_OF_PROCESS, BackendTraits, WorkerBackend, WorkerSpec
+from .base import OUT_OF_PROCESS, BackendTraits, Waitable, WorkerBackend, WorkerSpec
 
 if TYPE_CHECKING:
     from .._worker.main import WorkerConfig, WorkerStep
@@ -176,26 +176,13 @@ class FakeBackend:
         ]
         return events
 
-    def _wait_s(self, deadline: float) -> float:
-        soonest = min((p[0] for p in self.pending), default=math.inf)
-        until = min(soonest, deadline, time.monotonic() + 1.0)
-        return max(0.0, until - time.monotonic())
-
-    async def wait(
-        self, deadline: float, wake_fd: int | None = None, awaited: int | None = None
-    ) -> None:
-        self.awaited.append((awaited, {p[2]: p[1] for p in self.pending}))
-        import anyio  # under asyncio and trio alike
-
-        await anyio.sleep(self._wait_s(deadline))
-
-    def wait_blocking(
-        self, deadline: float, wake_fd: int | None = None, awaited: int | None = None
-    ) -> bool:
+    def waitable(self, awaited: int | None = None) -> Waitable:
+        """Nothing to watch: the engine sleeps until the soonest scripted answer is due (at
+        most a second, as a real backend's health-check period), as it would on a pool."""
         # What the engine said it waits for, with what was in flight then (task id -> worker).
         self.awaited.append((awaited, {p[2]: p[1] for p in self.pending}))
-        time.sleep(self._wait_s(deadline))
-        return True
+        soonest = min((p[0] for p in self.pending), default=math.inf)
+        return Waitable(budget=max(0.0, min(soonest - time.monotonic(), 1.0)))
 
     def restart(self, worker_id: int, plan: PassPlan | None = None) -> None:
         self.restarts.append(worker_id)

@@ -17,8 +17,6 @@ answers back, and closes what the pass opened.
 
 from __future__ import annotations
 
-import math
-import select
 import time
 import warnings
 from typing import Any, ClassVar
@@ -43,7 +41,7 @@ from .._wire.messages import (
 )
 from .._worker.async_fetch import AsyncFetcher
 from .._worker.main import StepResult, WorkerStep
-from .base import IN_PROCESS, BackendTraits, WorkerSpec
+from .base import IN_PROCESS, BackendTraits, Waitable, WorkerSpec
 
 __all__ = ["InlineBackend"]
 
@@ -106,15 +104,15 @@ class InlineBackend:
     def describe(self, worker_id: int) -> str:
         return "the calling process"
 
-    async def wait(
-        self, deadline: float, wake_fd: int | None = None, awaited: int | None = None
-    ) -> None:
-        assert deadline == math.inf
-        if self.task is None:
-            if wake_fd is not None:
-                # Only the pin stage has work: wait for it.
-                await anyio.wait_readable(wake_fd)
-            return
+    def waitable(self, awaited: int | None = None) -> Waitable:
+        """The answer is the fetch itself, which the caller runs (``work``); with no task, the
+        engine's own wake-up alone can end a sleep (its pin stage, handing a batch back)."""
+        return Waitable(work=self) if self.task is not None else Waitable()
+
+    async def work(self) -> None:
+        """The fetch under ``async for``: a plain dataset in a thread (``offload``), an async
+        one awaited on the loop."""
+        assert self.task is not None
         started = time.perf_counter()
         if self.is_async:
             outcome = await self._fetch_async(*self.task)
@@ -126,15 +124,10 @@ class InlineBackend:
             outcome = self._fetch(*self.task)
         self._answered(outcome, started)
 
-    def wait_blocking(
-        self, deadline: float, wake_fd: int | None = None, awaited: int | None = None
-    ) -> bool:
-        """The sync front end's wait: a plain dataset is fetched right here (the calling thread
-        has nothing else to do); an async one needs a loop to run on."""
-        if self.task is None:
-            if wake_fd is not None:
-                select.select([wake_fd], [], [])  # only the pin stage has work
-            return True
+    def work_blocking(self) -> bool:
+        """The fetch under ``for``: a plain dataset right here (the calling thread has nothing
+        else to do); an async one needs a loop to run on."""
+        assert self.task is not None
         if self.is_async:
             return False
         started = time.perf_counter()

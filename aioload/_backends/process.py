@@ -1,13 +1,12 @@
 """The worker process pool: start, pipes, results, death detection and shutdown.
 
-Everything the orchestrator waits on goes through one selector (epoll on Linux): each worker's
+Everything the engine may sleep on goes through one selector (epoll on Linux): each worker's
 socket and each worker's process sentinel, which becomes readable when the process exits. The
-selector's own descriptor is what the event loop waits on (``_aio.waiting.ReadableWait``), so
-one await covers every worker under asyncio, uvloop and trio alike, and nothing runs detached:
-between two awaits of the consumer, no aioload code runs at all. The sync front end blocks on
-the same selector directly (``wait_blocking``), with no event loop. Where the consumer needs
-one worker's answer next, either front end sleeps on that worker's answers alone (a poll set
-under ``for``, an epoll of its own under ``async for``), and on everything else a wait watches.
+selector's own descriptor is what the pool offers the engine (``waitable``), so one sleep
+covers every worker, under asyncio, uvloop and trio and in the sync front end's thread alike,
+and nothing runs detached: between two awaits of the consumer, no aioload code runs at all.
+Where the consumer needs one worker's answer next, the pool offers an epoll of its own instead,
+which watches that worker's answers alone and everything else the selector watches.
 """
 
 from __future__ import annotations
@@ -30,16 +29,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from .._aio.waiting import ReadableWait, WakeWatch
+from .._aio.waiting import Descriptor
 from .._wire.channel import ChannelClosed, ParentChannel
 from .._wire.messages import (
     Answer,
-    Batch,
     Event,
-    Failed,
-    Failure,
     FreeSlabs,
-    Outcome,
     PassPlan,
     PickledBatch,
     Reply,
@@ -49,11 +44,20 @@ from .._wire.messages import (
     Task,
     ValueBatch,
     WorkerLost,
+    answer_to,
+    failed_in_setup,
 )
 from .._wire.packed import pack_to_worker, unpack_reply
 from .._wire.slabs import EAGER_FREE_BYTES, SlabMappings
 from ..errors import WorkerDiedError
-from .base import OUT_OF_PROCESS, BackendTraits, TunableBackend, WorkerBackend, WorkerSpec
+from .base import (
+    OUT_OF_PROCESS,
+    BackendTraits,
+    TunableBackend,
+    Waitable,
+    WorkerBackend,
+    WorkerSpec,
+)
 
 __all__ = ["WorkerPool"]
 
@@ -61,10 +65,10 @@ __all__ = ["WorkerPool"]
 # worker leaves within a millisecond of seeing its socket close; only one that is busy inside
 # a slow __getitem__ can need the kill.
 SHUTDOWN_GRACE_S = 0.5
-# Upper bound of one wait on the selector, so that a failure no descriptor reports (in practice,
-# none is known) is still noticed.
+# Upper bound of one sleep on the selector, and the period of the health check in ``poll``, so
+# that a failure no descriptor reports (in practice, none is known) is still noticed.
 _HEALTH_CHECK_S = 1.0
-# A wait for one worker's answer (``wait_blocking``'s ``awaited``) leaves the others' answers in
+# A wait for one worker's answer (``waitable``'s ``awaited``) leaves the others' answers in
 # their sockets until the parent wakes for it. A worker whose answers outgrow its socket's
 # buffer (about 200 KiB) would then block in its send, instead of starting its next batch,
 # until then: once one read from a worker brings in more than this, the pool's waits watch
@@ -101,7 +105,6 @@ def _disown_after_fork() -> None:
     for pool in list(_pools):
         pool.closed = True
         pool.retired = True
-        pool._readable.forget_after_fork()
         pool._awaited_epoll.forget_after_fork()
         with contextlib.suppress(Exception):
             pool.selector.close()
@@ -230,6 +233,17 @@ class _WorkerHandle:
         # Whether the selector watches its socket for writability (see WorkerPool._pump_out).
         self.watching_write = False
 
+    def batch_value(self, result: SlabBatch | PickledBatch | ValueBatch) -> Any:
+        """A batch this worker sent, as the consumer gets it: a slab's tensors as views of it,
+        with no copy."""
+        if isinstance(result, SlabBatch):
+            return self.mappings.decode(
+                result.slab_id, result.used, result.payload, result.leaves, self.release
+            )
+        if isinstance(result, PickledBatch):
+            return pickle.loads(result.payload)
+        return result.value
+
     def take_deferred_frees(self) -> tuple[int, ...]:
         freed = tuple(self.deferred_frees)
         self.deferred_frees.clear()
@@ -237,8 +251,8 @@ class _WorkerHandle:
 
 
 class _Selector(selectors.DefaultSelector):
-    """The pool's selector, counting the changes to what it watches: ``WorkerPool._wait_for``
-    keeps the poll set it made from the registrations until they change."""
+    """The pool's selector, counting the changes to what it watches: ``_AwaitedEpoll`` keeps
+    the epoll it made from the registrations until they change."""
 
     changes = 0
 
@@ -264,37 +278,37 @@ def _awaited_events(key: selectors.SelectorKey, awaited: _WorkerHandle) -> tuple
 
 
 class _AwaitedEpoll:
-    """The async door's wait for one worker's answer (``WorkerPool.wait``'s ``awaited``): an
-    epoll holding what the selector holds, with only the awaited worker's socket watched for
-    answers, and the one ``ReadableWait`` on it that the loop keeps from wait to wait.
+    """What the pool offers a wait for one worker's answer (``WorkerPool.waitable``'s
+    ``awaited``): an epoll holding what the selector holds, with only the awaited worker's
+    socket watched for answers.
 
-    The sync door makes a poll set per awaited worker (``WorkerPool._wait_for``) and switches
-    between them for free. The loop can only watch descriptors, and moving its reader from one
-    to another costs two ``epoll_ctl`` calls and the loop's own bookkeeping (about 14 us a wait,
-    see ReadableWait). So the descriptor stays and what it reports moves: when the awaited
-    worker changes, two ``epoll.modify`` calls, one system call each, take the answers of the
-    one out and put the other's in.
+    Its descriptor stays while the awaited worker changes, and what it reports moves: the
+    engine keeps its watch on a descriptor from wait to wait (under asyncio, a reader on the
+    loop, which costs two ``epoll_ctl`` calls and the loop's bookkeeping to move, about 14 us
+    a wait, see ``ReadableWait``). When the awaited worker changes, two ``epoll.modify``
+    calls, one system call each, take the answers of the one out and put the other's in.
 
     A change of the selector's registrations (a worker lost or replaced, a write watched or no
-    longer, the pin stage's pipe) makes a new epoll, and a new ``ReadableWait`` on it, rather
-    than mirror the change: a socket closed while registered, its number then reused, would leave
-    a registration of the old file in the old epoll that no call can name any more.
+    longer) makes a new epoll, offered as a new ``Descriptor``, rather than mirror the change:
+    a socket closed while registered, its number then reused, would leave a registration of
+    the old file in the old epoll that no call can name any more.
     """
 
     def __init__(self) -> None:
         self.epoll: select.epoll | None = None
-        self.readable: ReadableWait | None = None
+        self.descriptor: Descriptor | None = None
         self.awaited: _WorkerHandle | None = None
         self.made_at = -1  # the selector's count of changes the epoll was made at
 
-    async def wait(self, selector: _Selector, awaited: _WorkerHandle, budget: float) -> bool:
-        """Whether anything woke it within ``budget`` seconds."""
-        if self.epoll is None or self.readable is None or self.made_at != selector.changes:
+    def offer(self, selector: _Selector, awaited: _WorkerHandle) -> Descriptor:
+        """The descriptor that ``awaited``'s answers, and what else the selector watches, make
+        readable."""
+        if self.epoll is None or self.descriptor is None or self.made_at != selector.changes:
             self._make(selector, awaited)
         elif self.awaited is not awaited:
             self._move(selector, awaited)
-        assert self.readable is not None
-        return await self.readable.wait(budget)
+        assert self.descriptor is not None
+        return self.descriptor
 
     def _make(self, selector: _Selector, awaited: _WorkerHandle) -> None:
         self.close()
@@ -305,7 +319,7 @@ class _AwaitedEpoll:
         except BaseException:
             epoll.close()
             raise
-        self.epoll, self.readable = epoll, ReadableWait(epoll.fileno())
+        self.epoll, self.descriptor = epoll, Descriptor(epoll.fileno())
         self.awaited, self.made_at = awaited, selector.changes
 
     def _move(self, selector: _Selector, awaited: _WorkerHandle) -> None:
@@ -322,42 +336,23 @@ class _AwaitedEpoll:
             return
         self.awaited = awaited
 
-    def stop_watching(self) -> None:
-        """The loop lets go of the epoll (a wait of another kind is next); kept for later."""
-        if self.readable is not None:
-            self.readable.close()
-
     def close(self) -> None:
-        # The loop lets go of the descriptor (from its own thread) before it is closed.
-        readable, epoll = self.readable, self.epoll
-        self.readable = self.epoll = None
-        self.awaited = None
-        if readable is not None:
-            readable.close()
+        # (An engine's wait watches a duplicate of it, which the wait closes itself.)
+        epoll = self.epoll
+        self.epoll = self.descriptor = self.awaited = None
         if epoll is not None:
             epoll.close()
 
     def forget_after_fork(self) -> None:
-        """In a forked child: let go of the parent's epoll without touching its loop."""
-        if self.readable is not None:
-            self.readable.forget_after_fork()
-        if self.epoll is not None:
-            with contextlib.suppress(OSError):
-                self.epoll.close()
-        self.readable = self.epoll = None
+        """In a forked child: let go of the parent's epoll."""
+        with contextlib.suppress(OSError):
+            self.close()
 
 
 def _epoll_mask(read: bool, write: bool) -> int:
     # (0 is a valid mask: the descriptor then reports only errors and hang-ups, which a wait
     # wants to hear of anyway.)
     return (select.EPOLLIN if read else 0) | (select.EPOLLOUT if write else 0)
-
-
-def _poll_blocking(watched: select.poll, budget: float) -> list[tuple[int, int]]:
-    """``watched.poll()`` for at most ``budget`` seconds (poll takes milliseconds, and rounds
-    a fraction up). A function of its own so that a profile tells the sleep from the work
-    around it (``bench.parent_profile``)."""
-    return watched.poll(budget * 1e3)
 
 
 def _no_release(slab_id: int) -> None:
@@ -445,8 +440,8 @@ def _stop_processes(forked: list[_WorkerHandle], grace: float) -> None:
 
 class WorkerPool:
     """``num_workers`` processes, each with its own socket, serving index tasks: the process
-    implementation of ``_backends.base.WorkerBackend``. Health checks (process sentinels, exit codes)
-    and the pin stage's wake-up descriptor stay in here, behind one selector."""
+    implementation of ``_backends.base.WorkerBackend``. Health checks (process sentinels, exit
+    codes) stay in here, behind one selector."""
 
     # Forking takes milliseconds a worker; workers fetch ahead of the consumer.
     TRAITS: ClassVar[BackendTraits] = OUT_OF_PROCESS
@@ -469,23 +464,16 @@ class WorkerPool:
         # atomic, and the queue is drained only on the orchestrator's side.
         self.releases: deque[tuple[_WorkerHandle, int]] = deque()
         self.selector = _Selector()
-        # The async front end's wait on the selector (its reader kept from wait to wait).
-        self._readable = ReadableWait(self.selector.fileno())
-        # Its wait for one worker's answer (see wait's ``awaited``).
+        # What the engine sleeps on: the selector, or for one worker's answer (``waitable``'s
+        # ``awaited``) an epoll of its own.
+        self._whole = Descriptor(self.selector.fileno())
         self._awaited_epoll = _AwaitedEpoll()
-        self._wake = WakeWatch(self.selector, (None, "wake"))
         # This pass's plan for each worker (a replacement gets its slot's plan again).
         self.plans: list[PassPlan] = [PassPlan()] * self.num_workers
-        # Deaths seen while waiting (by the health check), reported by the next poll().
-        self._lost: list[Event] = []
-        # What woke wait_blocking's select, for the poll() right after it.
-        self._woken: list[tuple[selectors.SelectorKey, int]] | None = None
-        # Whether a wait may watch one worker's answers alone (see _AWAIT_ONE_MAX_READ), and
-        # the poll sets of such waits, by awaited worker, made at the selector's count of
-        # changes in ``_await_sets_at``.
+        # When poll() next looks for a worker that exited unseen (_check_health).
+        self._next_health_check = time.monotonic() + _HEALTH_CHECK_S
+        # Whether a wait may watch one worker's answers alone (see _AWAIT_ONE_MAX_READ).
         self._await_one = True
-        self._await_sets: dict[_WorkerHandle, select.poll] = {}
-        self._await_sets_at = 0
         self._owner_pid = os.getpid()
         # num_workers="auto": the engine dispatches to the first ``active`` workers only, and
         # a staggered start forks the others when they are activated (``activate``).
@@ -603,10 +591,6 @@ class WorkerPool:
         its fetcher (IterableDataset workers re-create their iterator)."""
         if self.closed:
             raise RuntimeError("aioload: the worker pool has been shut down")
-        self._lost.clear()
-        self._wake.forget()  # the previous pass's pin stage pipe (see WakeWatch)
-        # What a wait of an earlier pass saw is not this pass's news: poll() selects afresh.
-        self._woken = None
         self.plans = list(plans)
         if self.passes:
             self.generation += 1
@@ -680,24 +664,18 @@ class WorkerPool:
         task (``submit`` sends it on the task) or the next pass's ``start_pass``: a worker
         with no task needs no slab. A large one goes out with the next write to its worker:
         the ``submit`` that refills the window right after this if the refill is for that
-        worker, else the flush before the next wait (``_before_wait``), so that the worker
+        worker, else the flush before the next wait (``waitable``), so that the worker
         has it back before it starts its next batch. Only a step that hands a batch over and
         sends nothing leaves a large one queued until then: at the end of the sampler, or for
         a worker whose IterableDataset stream has ended; neither worker has a task that needs
         the slab."""
         self._queue_frees()
         events: list[Event] = []
-        if self._lost:
-            events.extend(self._lost)
-            self._lost.clear()
+        if time.monotonic() >= self._next_health_check:
+            self._check_health(events)
         dead: list[_WorkerHandle] = []
-        woken, self._woken = self._woken, None
-        # (Registrations may have changed since wait_blocking's select: a stale key is for a
-        # worker already handled, which the checks below skip.)
-        for key, mask in woken if woken is not None else self.selector.select(0):
+        for key, mask in self.selector.select(0):
             worker, what = key.data
-            if what == "wake":
-                continue  # its owner drains it
             if what == "exit":
                 dead.append(worker)
                 continue
@@ -733,32 +711,17 @@ class WorkerPool:
         worker.mappings.drop(reply.dropped_slabs)
         result = reply.result
         current = reply.generation == self.generation
-        outcome: Outcome
         if isinstance(result, SlabBatch):
             if result.capacity:
                 worker.mappings.add(result.slab_id, worker.channel.take_fd(), result.capacity)
-            if not current:
-                if result.slab_id >= 0:
-                    self.releases.append((worker, result.slab_id))
-                return None
-            outcome = Batch(
-                worker.mappings.decode(
-                    result.slab_id, result.used, result.payload, result.leaves, worker.release
-                )
-            )
-        elif not current:
+            if not current and result.slab_id >= 0:
+                self.releases.append((worker, result.slab_id))
+        if not current:
             return None
-        elif isinstance(result, PickledBatch):
-            outcome = Batch(pickle.loads(result.payload))
-        elif isinstance(result, ValueBatch):
-            outcome = Batch(result.value)
-        elif isinstance(result, Failure):
-            if getattr(result.error, "from_init", False):
-                self.retired = True
-            outcome = Failed(result.error)
-        else:
-            outcome = result
-        return Answer(worker.worker_id, reply.task_id, outcome, reply.stream, reply.busy_s)
+        answer = answer_to(worker.worker_id, reply, worker.batch_value)
+        if failed_in_setup(answer):
+            self.retired = True
+        return answer
 
     def _on_death(self, worker: _WorkerHandle, events: list[Event]) -> None:
         if worker.exited:
@@ -832,96 +795,29 @@ class WorkerPool:
             return f"worker {worker_id}, starting"
         return f"pid {worker.pid}"
 
-    async def wait(
-        self, deadline: float, wake_fd: int | None = None, awaited: int | None = None
-    ) -> None:
-        """Wait until something may have arrived, a worker exited, ``wake_fd`` (the pin
-        stage's pipe) became readable, or ``deadline`` (in ``time.monotonic()`` seconds;
-        ``math.inf`` for none) passes. With ``awaited`` (and small answers), only that
-        worker's answers end the wait, as in ``wait_blocking`` (``_AwaitedEpoll``)."""
-        budget = self._before_wait(deadline, wake_fd)
-        if budget <= 0:
-            return
-        # Of the two waits, only the one in use may keep a reader on the loop: the other's,
-        # level-triggered, would wake it for the answers this one leaves out.
-        if awaited is not None and self._await_one:
-            self._readable.close()
-            woken = await self._awaited_epoll.wait(self.selector, self.workers[awaited], budget)
-        else:
-            self._awaited_epoll.stop_watching()
-            woken = await self._readable.wait(budget)
-        if not woken:
-            # Nothing woke us: only then is a health check worth its syscalls, since every
-            # worker's death already wakes us through its sentinel.
-            self._check_health()
-
-    def wait_blocking(
-        self, deadline: float, wake_fd: int | None = None, awaited: int | None = None
-    ) -> bool:
-        """``wait`` in the calling thread: the selector itself blocks, or with ``awaited``
-        (and small answers) a ``poll`` of that worker's socket and of what every wait watches
-        besides answers (``_wait_for``). What the selector's wait saw is kept for the ``poll``
-        that follows, which then needs no select of its own; after a ``_wait_for`` it selects
-        afresh, and so takes in every worker's answers that are here, not only the awaited
-        one's (the others' wait for their turn in the reorder buffer, as before, and
-        ``LoaderStats`` counts them as waiting there, not as in flight)."""
-        budget = self._before_wait(deadline, wake_fd)
-        if budget > 0:
-            if awaited is not None and self._await_one:
-                self._woken = None  # the poll() after it selects afresh
-                woken = self._wait_for(self.workers[awaited], budget)
-            else:
-                self._woken = self.selector.select(budget)
-                woken = bool(self._woken)
-            if not woken:
-                self._check_health()  # as in wait(): only when nothing woke us
-        return True
-
-    def _wait_for(self, awaited: _WorkerHandle, budget: float) -> bool:
-        """Sleep until ``awaited`` answers, a worker exits, a socket with an outbox left takes
-        more, the wake descriptor is readable, or ``budget`` seconds pass; whether anything
-        woke it.
-
-        The selector's registrations stay as they are (every worker's answers): a poll set
-        per awaited worker is made from them, less the other workers' answers, and kept until
-        they change (a write watched or no longer, a worker lost or replaced, another pin
-        stage pipe). Making one costs about 2 us, most of it the selector's mapping view."""
-        if self._await_sets_at != self.selector.changes:
-            self._await_sets.clear()
-            self._await_sets_at = self.selector.changes
-        watched = self._await_sets.get(awaited)
-        if watched is None:
-            watched = self._await_sets[awaited] = self._await_set(awaited)
-        return bool(_poll_blocking(watched, budget))
-
-    def _await_set(self, awaited: _WorkerHandle) -> select.poll:
-        watched = select.poll()
-        for key in self.selector.get_map().values():
-            read, write = _awaited_events(key, awaited)
-            if read or write:
-                watched.register(
-                    key.fd, (select.POLLIN if read else 0) | (select.POLLOUT if write else 0)
-                )
-        return watched
-
-    def _before_wait(self, deadline: float, wake_fd: int | None) -> float:
-        """Send what is queued and watch ``wake_fd``; how long the wait may last (at most
-        the health-check period)."""
+    def waitable(self, awaited: int | None = None) -> Waitable:
+        """What the engine may sleep on: the selector, which an answer, a worker's exit or a
+        socket with an outbox left that takes more makes readable; with ``awaited`` (and small
+        answers), an epoll that only that worker's answers make readable, besides the rest
+        (``_AwaitedEpoll``). At most the health-check period. Sends what is queued first."""
         self._fork_the_rest()  # a staggered start's workers that got no task yet
         self._flush()
-        self._wake.watch(wake_fd)
-        return min(deadline - time.monotonic(), _HEALTH_CHECK_S)
+        if awaited is not None and self._await_one:
+            descriptor = self._awaited_epoll.offer(self.selector, self.workers[awaited])
+        else:
+            descriptor = self._whole
+        return Waitable(descriptor, _HEALTH_CHECK_S)
 
-    def _check_health(self) -> None:
-        """Catch a worker that exited without its sentinel being seen yet."""
+    def _check_health(self, events: list[Event]) -> None:
+        """Catch a worker that exited without its sentinel being seen yet: from ``poll``,
+        once a health-check period, so at least once a sleep that nothing ended."""
+        self._next_health_check = time.monotonic() + _HEALTH_CHECK_S
         for worker in self.workers:
             if worker.process is None:
                 continue
             if not worker.exited and worker.process.exitcode is not None:
-                answers: list[Event] = []
-                self._read(worker, answers)
-                self._on_death(worker, answers)
-                self._lost.extend(answers)
+                self._read(worker, events)
+                self._on_death(worker, events)
 
     # -- shutdown ----------------------------------------------------------------------------
 
@@ -947,8 +843,7 @@ class WorkerPool:
         # 4. Unmapping our side happens as leases die: a batch the user still holds stays valid.
         for worker in self.workers:
             worker.mappings.clear()
-        # The loop lets go of the selector (from its own thread) before we close it.
-        self._readable.close()
+        # (An engine's wait watches a duplicate of each, which it closes itself.)
         self._awaited_epoll.close()
         with contextlib.suppress(Exception):
             self.selector.close()

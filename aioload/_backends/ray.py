@@ -15,9 +15,9 @@ plain description, and this module (and Ray) is imported only when a pass starts
   as a ``_TensorBytes``: its bytes as a numpy uint8 array, which Ray writes out of band once
   and the driver maps from the store without a copy (``torch.from_numpy``).
 - **Waiting never blocks the event loop.** One thread per backend waits in ``ray.wait`` on the
-  outstanding results and writes a byte to a pipe when some are ready; the orchestrator awaits
-  that pipe (and the pin stage's) through one selector, like the process pool's, so asyncio,
-  uvloop and trio all work.
+  outstanding results and writes a byte to a pipe when some are ready; that pipe is what the
+  backend offers the engine to sleep on (``waitable``), as the process pool offers its
+  selector, so asyncio, uvloop, trio and the sync front end all work.
 - **Faults.** A killed actor's pending results resolve to ``RayActorError`` (Ray notices within
   about a second on one node); the backend reports ``WorkerLost`` naming the actor, its node
   and the indices it held. Restarts are the orchestrator's decision, as for local workers:
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import selectors
 import threading
 import time
 import warnings
@@ -36,11 +35,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .._aio.waiting import ReadableWait, WakeWatch
+from .._aio.waiting import Descriptor
 from .._wire import slabs as _transport
 from .._wire.messages import (
     Answer,
-    Batch,
     Event,
     Failed,
     Failure,
@@ -52,16 +50,20 @@ from .._wire.messages import (
     Task,
     ValueBatch,
     WorkerLost,
+    answer_to,
+    failed_in_setup,
 )
 from .._worker.heap import HeapPolicy
 from .._worker.main import StepResult, WorkerConfig, WorkerStep
 from ..errors import WorkerDiedError
-from .base import OUT_OF_PROCESS, BackendTraits, WorkerSpec
+from .base import OUT_OF_PROCESS, BackendTraits, Waitable, WorkerSpec
 
 __all__ = ["RayBackend"]
 
 # How long one ray.wait in the waiter thread blocks before it looks for new results to watch.
 _WAIT_SLICE_S = 0.05
+# The longest sleep the engine is offered: a lost actor's results resolve to errors, which the
+# waiter thread announces as any result, so this only bounds the sleep.
 _HEALTH_CHECK_S = 1.0
 # How long the backend's start waits for its actors to report their node (a cluster without
 # free resources may take longer; the actors then report later, in stats).
@@ -310,10 +312,8 @@ class RayBackend:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self.selector = selectors.DefaultSelector()
-        self.selector.register(self._wake_r, selectors.EVENT_READ, "ray")
-        self._readable = ReadableWait(self.selector.fileno())
-        self._wake = WakeWatch(self.selector, "stage")
+        # What the engine sleeps on: the waiter thread writes to the pipe as results are ready.
+        self._descriptor = Descriptor(self._wake_r)
         self._stop = threading.Event()
         self._submitted = threading.Event()
         # Results the waiter has seen ready (it watches the others); under ``_lock``.
@@ -362,7 +362,6 @@ class RayBackend:
         if self.closed:
             raise RuntimeError("aioload: the Ray workers have been shut down")
         self._lost.clear()
-        self._wake.forget()  # the previous pass's pin stage pipe (see WakeWatch)
         self.plans = list(plans)
         if self.passes:
             self.generation += 1
@@ -415,19 +414,10 @@ class RayBackend:
                 continue
             if reply.generation != self.generation:
                 continue
-            result = reply.result
-            outcome: Any
-            if isinstance(result, ValueBatch):
-                outcome = Batch(from_wire(result.value))
-            elif isinstance(result, Failure):
-                if getattr(result.error, "from_init", False):
-                    self.retired = True
-                outcome = Failed(result.error)
-            else:
-                outcome = result
-            events.append(
-                Answer(pending.worker_id, reply.task_id, outcome, reply.stream, reply.busy_s)
-            )
+            answer = answer_to(pending.worker_id, reply, _batch_value)
+            if failed_in_setup(answer):
+                self.retired = True
+            events.append(answer)
         for worker_id, held in lost_now.items():
             events.append(self._lose(worker_id, held))
         return events
@@ -450,28 +440,10 @@ class RayBackend:
             worker_id, WorkerDiedError(message, worker_id=worker_id, pid=None, exitcode=None)
         )
 
-    async def wait(
-        self, deadline: float, wake_fd: int | None = None, awaited: int | None = None
-    ) -> None:
-        budget = self._before_wait(deadline, wake_fd)
-        if budget <= 0:
-            return
-        await self._readable.wait(budget)
-
-    def wait_blocking(
-        self, deadline: float, wake_fd: int | None = None, awaited: int | None = None
-    ) -> bool:
-        budget = self._before_wait(deadline, wake_fd)
-        if budget > 0:
-            self.selector.select(budget)
-        return True
-
-    def _before_wait(self, deadline: float, wake_fd: int | None) -> float:
-        """Watch ``wake_fd``; how long the wait may last (0: something is already here)."""
-        self._wake.watch(wake_fd)
-        if self._ready or self._lost:
-            return 0.0
-        return min(deadline - time.monotonic(), _HEALTH_CHECK_S)
+    def waitable(self, awaited: int | None = None) -> Waitable:
+        """The waiter thread's pipe; no sleep at all where results are here already (one that
+        was ready, but not yet local, is watched again)."""
+        return Waitable(self._descriptor, 0.0 if self._ready or self._lost else _HEALTH_CHECK_S)
 
     def restart(self, worker_id: int, plan: PassPlan | None = None) -> None:
         if plan is not None:
@@ -539,9 +511,7 @@ class RayBackend:
         with self._lock:
             self._pending.clear()
         self._ready.clear()
-        self._readable.close()  # the loop lets go of the selector before we close it
-        with contextlib.suppress(Exception):
-            self.selector.close()
+        # (An engine's wait watches a duplicate of the pipe, which it closes itself.)
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -599,6 +569,11 @@ class _Wrapped:
 
     def reraise(self) -> None:
         raise self.error
+
+
+def _batch_value(result: Any) -> Any:
+    """An actor's batch (a ``ValueBatch`` from the object store) as the consumer gets it."""
+    return from_wire(result.value)
 
 
 def _is_async(spec: WorkerSpec) -> bool:

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, NamedTuple, NoReturn
 
-from .._aio.waiting import run_off_loop, running_asyncio_loop
+from .._aio.waiting import Waiter, run_off_loop, running_asyncio_loop
 from .._backends.base import BackendTraits, TunableBackend, WorkerBackend
 from .._wire.messages import (
     AllSkipped,
@@ -102,15 +102,17 @@ class PassResources:
     def __init__(self) -> None:
         self.backend: WorkerBackend | None = None
         self.stage: PinStage | None = None
+        self.waiter: Waiter | None = None
 
     def close(self) -> None:
-        # The stage first: it may be working on a batch, and nothing after it needs it.
-        stage, self.stage = self.stage, None
-        if stage is not None:
-            stage.close()
-        backend, self.backend = self.backend, None
-        if backend is not None:
-            backend.close()
+        # In this order. The waiter: the loop lets go of what it watches (from the loop's own
+        # thread) before the stage and the backend close their descriptors. The stage: it may
+        # be working on a batch, and nothing after it needs it. The backend last.
+        owned = (self.waiter, self.stage, self.backend)
+        self.waiter = self.stage = self.backend = None
+        for each in owned:
+            if each is not None:
+                each.close()
 
 
 class _Sent(NamedTuple):
@@ -127,6 +129,33 @@ class _Assigned(NamedTuple):
     position: int  # in sampler order
     # Where the worker's IterableDataset stream stood after it, once answered.
     point: StreamPoint | None = None
+
+
+class _Look:
+    """Where one ``next`` stands between its waits: the deadline its next wait is bounded by,
+    and whether its next step takes in answers."""
+
+    __slots__ = ("deadline", "intake")
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.intake = False  # see Orchestrator.step: the first look takes in nothing new
+
+
+class _Busy:
+    """Held while a ``next`` waits (or starts the backend): a second consumer meanwhile is
+    refused, rather than interleaving its steps with the waiting one's."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held = False
+
+    def __enter__(self) -> None:
+        self.held = True
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.held = False
 
 
 class _Done(NamedTuple):
@@ -151,6 +180,7 @@ class Orchestrator:
         self._make_backend = backend
         self.owned = PassResources()
         self._backend: WorkerBackend = _NOT_STARTED
+        self._waiter: Waiter = _NOT_STARTED  # made with the pass's start (_adopt)
         self._setup = setup
         self._stage: PinStage | None = None
         # Batches leave through _deliver, which records them here for state_dict().
@@ -201,7 +231,7 @@ class Orchestrator:
         self._fatal: BaseException | None = None
         self._finished = False
         self._closed = False
-        self._busy = False
+        self._busy = _Busy()
         # Whether stats name every worker (see _name_workers); the calling process is unnamed.
         self._named = not setup.traits.runs_ahead
 
@@ -210,7 +240,7 @@ class Orchestrator:
     def _over(self) -> bool:
         """Whether the pass is over; raises if it cannot go on (a fatal error, or a second
         consumer while one is waiting)."""
-        if self._busy:
+        if self._busy.held:
             raise RuntimeError("aioload: this iterator is already waiting for a batch")
         if self._fatal is not None:
             raise self._fatal
@@ -292,27 +322,14 @@ class Orchestrator:
         if self._over():
             return END
         if self._backend is _NOT_STARTED:
-            self._busy = True
-            try:
+            with self._busy:
                 await self._start()
-            finally:
-                self._busy = False
             if self._closed:
                 return END
-        deadline = self._deadline()
-        intake = False  # see step(): the first look takes in nothing new
-        while True:
-            result, deadline = self._step_before(deadline, intake)
-            if result is not PENDING:
-                return result
-            intake = True
-            self._busy = True
-            try:
-                await self._backend.wait(deadline, self._wake_fd(), self._awaited())
-            finally:
-                self._busy = False
-            if not self._named:
-                self._name_workers()
+        look = _Look(self._deadline())
+        while (result := self._look(look)) is PENDING:
+            await self._wait(look.deadline)
+        return result
 
     def next_blocking(self) -> Any:
         """``next`` for the sync front end: the waits block the calling thread, with no event
@@ -334,28 +351,50 @@ class Orchestrator:
             self._adopt(self._make_owned_backend())
             if self._closed:
                 return END
-        deadline = self._deadline()
-        intake = False  # see step(): the first look takes in nothing new
-        while True:
-            result, deadline = self._step_before(deadline, intake)
-            if result is not PENDING:
-                return result
-            intake = True
-            self._busy = True
-            try:
-                if not self._backend.wait_blocking(deadline, self._wake_fd(), self._awaited()):
-                    return PENDING
-            finally:
-                self._busy = False
-            if not self._named:
-                self._name_workers()
+        look = _Look(self._deadline())
+        while (result := self._look(look)) is PENDING:
+            if not self._wait_blocking(look.deadline):
+                return PENDING
+        return result
+
+    def _look(self, look: _Look) -> Any:
+        """One turn of ``next``'s and ``next_blocking``'s loop, before its wait: the step, with
+        the deadline handled (``_step_before``), and the workers named once they have started.
+        The first look of a ``next`` takes in nothing new (see ``step``); a look after a wait
+        does."""
+        if look.intake and not self._named:
+            self._name_workers()
+        result, look.deadline = self._step_before(look.deadline, look.intake)
+        look.intake = True
+        return result
+
+    async def _wait(self, deadline: float) -> None:
+        """Sleep until the backend may have something, the pin stage has a batch, or the
+        deadline; or, where the answer is work the caller does, do it."""
+        waitable = self._backend.waitable(self._awaited())
+        with self._busy:
+            if waitable.work is not None:
+                await waitable.work.work()
+            elif (timeout := min(waitable.budget, deadline - time.monotonic())) > 0:
+                await self._waiter.wait(waitable.descriptor, timeout)
+
+    def _wait_blocking(self, deadline: float) -> bool:
+        """``_wait`` in the calling thread; False, having waited for nothing, where it needs
+        an event loop."""
+        waitable = self._backend.waitable(self._awaited())
+        with self._busy:
+            if waitable.work is not None:
+                return waitable.work.work_blocking()
+            if (timeout := min(waitable.budget, deadline - time.monotonic())) > 0:
+                self._waiter.wait_blocking(waitable.descriptor, timeout)
+        return True
 
     def _deadline(self) -> float:
         return time.monotonic() + self._timeout if self._timeout > 0 else math.inf
 
     def _awaited(self) -> int | None:
         """The worker holding the batch the consumer needs next, if it is known to be one
-        (``wait``'s and ``wait_blocking``'s ``awaited``): in order, with no pin stage, the next
+        (``waitable``'s ``awaited``): in order, with no pin stage, the next
         task's worker. Its sibling finishes its own batch about as often first as not, and a
         wait that any answer ends woke the parent for it, to find the batch it needs still
         missing and sleep again: 0.47 wake-ups per tiny batch out of 0.97, each a context
@@ -365,9 +404,6 @@ class Orchestrator:
             return None
         sent = self._inflight.get(self._rcvd_idx)
         return sent.worker_id if sent is not None else None
-
-    def _wake_fd(self) -> int | None:
-        return self._stage.wake_r if self._stage is not None else None
 
     def _step_before(self, deadline: float, intake: bool = True) -> tuple[Any, float]:
         """``step(intake)``, handling a passed ``deadline`` (``timeout``): with healing on, the
@@ -417,6 +453,8 @@ class Orchestrator:
             self._stage = PinStage(self._setup.transfer, depth=self._setup.prefetch)
             self._stage.stats = self.stats
             self.owned.stage = self._stage
+        # The engine's sleep: on what the backend offers, and on the stage's pipe.
+        self._waiter = self.owned.waiter = Waiter(self._stage.wake_r if self._stage else None)
         if self._closed:
             # Closed while it was starting (a cancelled, then abandoned iterator).
             self._close_owned()

@@ -20,6 +20,7 @@ are shared by every backend's worker, so a local process and a Ray actor answer 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 __all__ = [
@@ -44,6 +45,8 @@ __all__ = [
     "ToWorker",
     "ValueBatch",
     "WorkerLost",
+    "answer_to",
+    "failed_in_setup",
 ]
 
 # -- parent -> worker -------------------------------------------------------------------------
@@ -205,6 +208,34 @@ class WorkerLost(NamedTuple):
 
 
 Event = Answer | WorkerLost
+
+
+def answer_to(
+    worker_id: int,
+    reply: Reply,
+    batch_value: Callable[[SlabBatch | PickledBatch | ValueBatch], Any],
+) -> Answer:
+    """A worker's reply as the engine sees it, whichever backend carried it: a failure becomes
+    ``Failed`` (re-raised in the consumer with the worker's traceback), an ended stream stays as
+    it is, and a batch becomes the value ``batch_value`` makes of it, which only the backend
+    that carried it knows how to make (views of a slab, an unpickled payload, a Ray object)."""
+    result = reply.result
+    outcome: Outcome
+    if isinstance(result, Failure):
+        outcome = Failed(result.error)
+    elif isinstance(result, StreamEnded):
+        outcome = result
+    else:
+        outcome = Batch(batch_value(result))
+    return Answer(worker_id, reply.task_id, outcome, reply.stream, reply.busy_s)
+
+
+def failed_in_setup(answer: Answer) -> bool:
+    """Whether ``answer`` says its worker's setup failed (``worker_init_fn``, an async
+    dataset's context): every later task of that worker fails alike, so a backend that sees it
+    is retired (no further pass runs on it)."""
+    outcome = answer.outcome
+    return isinstance(outcome, Failed) and bool(getattr(outcome.error, "from_init", False))
 
 
 # -- a sequential sampler's batches -----------------------------------------------------------

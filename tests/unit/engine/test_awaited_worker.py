@@ -1,7 +1,7 @@
-"""The wait for the worker whose batch is next (``WorkerPool._wait_for`` under ``for``,
-``_backends.process._AwaitedEpoll`` under ``async for``).
+"""The wait for the worker whose batch is next (``_backends.process._AwaitedEpoll``, which the
+pool offers the engine's ``_aio.waiting.Waiter`` under both front ends).
 
-In order, the consumer needs one worker's answer at a time; the pool then sleeps on that
+In order, the consumer needs one worker's answer at a time; the engine then sleeps on that
 worker's socket (and on every worker's exit) rather than on every answer, and the others'
 answers are read when it wakes. These tests check, under both front ends, what that must not
 cost: no batch lost or reordered, a lost worker noticed at once while another is awaited, a
@@ -22,6 +22,7 @@ import pytest
 from torch.utils.data import Dataset, get_worker_info
 
 import aioload
+from aioload._aio import waiting
 from aioload._backends import process as _workers
 from aioload._engine import orchestrator as _orchestrator
 from aioload.errors import WorkerDiedError
@@ -169,7 +170,7 @@ def test_answers_too_large_to_wait_in_a_socket_make_every_wait_watch_every_worke
 def test_a_replaced_worker_is_awaited_on_its_new_socket(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch, no_leaks: None, front: str
 ) -> None:
-    # The poll sets (for) and the epoll (async for) kept per awaited worker must not outlive
+    # The epoll kept for the awaited worker, and the engine's watch of it, must not outlive
     # the descriptors they were made from: the replacement in slot 0 (batch 6 is worker 0's)
     # has a new socket and sentinel, and a poll of its predecessor's closed ones either never
     # ends or returns at once, every time (POLLNVAL): a set kept by slot, not by worker, hangs
@@ -183,21 +184,21 @@ def test_a_replaced_worker_is_awaited_on_its_new_socket(
         return spawn(self, worker_id)
 
     polls: list[int] = []
-    poll_blocking = _workers._poll_blocking
+    wait_blocking = waiting.Waiter.wait_blocking
 
-    def counting(watched: Any, budget: float) -> list[tuple[int, int]]:
+    def counting(self: Any, *args: Any) -> bool:
         polls.append(1)
-        return poll_blocking(watched, budget)
+        return wait_blocking(self, *args)
 
-    awaited_wait = _workers._AwaitedEpoll.wait
+    wait = waiting.Waiter.wait
 
     async def counting_async(self: Any, *args: Any) -> bool:
         polls.append(1)
-        return await awaited_wait(self, *args)
+        return await wait(self, *args)
 
     monkeypatch.setattr(_workers.WorkerPool, "_spawn", spawn_elsewhere)
-    monkeypatch.setattr(_workers, "_poll_blocking", counting)
-    monkeypatch.setattr(_workers._AwaitedEpoll, "wait", counting_async)
+    monkeypatch.setattr(waiting.Waiter, "wait_blocking", counting)
+    monkeypatch.setattr(waiting.Waiter, "wait", counting_async)
     loader = aioload.DataLoader(
         KillsItselfOnce(40, at=13, marker=tmp_path / "killed"),
         batch_size=2,
@@ -234,13 +235,17 @@ def test_the_async_wait_follows_the_selector_and_the_awaited_worker() -> None:
         selector.register(worker.sock, selectors.EVENT_READ, (worker, "sock"))
     exit_r, exit_w = os.pipe()
     waits = _workers._AwaitedEpoll()
+    waiter = waiting.Waiter(None)  # the engine's, on what the pool offers
     long_s = 30.0  # a wait that something must end
+
+    async def wait_for(worker: Any, timeout: float) -> bool:
+        return await waiter.wait(waits.offer(selector, worker), timeout)
 
     async def main() -> list[bool]:
         woken = []
         pairs[1][1].send(b"x")  # worker 1 answers
-        woken.append(await waits.wait(selector, workers[0], 0.05))
-        woken.append(await waits.wait(selector, workers[1], long_s))
+        woken.append(await wait_for(workers[0], 0.05))
+        woken.append(await wait_for(workers[1], long_s))
         pairs[1][0].recv(1)
         # The loop may have queued one more call of the reader before the answer was read
         # (readiness is level-triggered): let it find nobody waiting.
@@ -249,7 +254,7 @@ def test_the_async_wait_follows_the_selector_and_the_awaited_worker() -> None:
         # Worker 0 exits: its sentinel, registered only now, ends a wait for worker 1.
         selector.register(exit_r, selectors.EVENT_READ, (workers[0], "exit"))
         os.write(exit_w, b"x")
-        woken.append(await waits.wait(selector, workers[1], long_s))
+        woken.append(await wait_for(workers[1], long_s))
         selector.unregister(exit_r)
         # Worker 0 is replaced by one on a new socket, which has answered.
         selector.unregister(workers[0].sock)
@@ -257,7 +262,8 @@ def test_the_async_wait_follows_the_selector_and_the_awaited_worker() -> None:
         replacement = _Handle(pairs[2][0])
         selector.register(replacement.sock, selectors.EVENT_READ, (replacement, "sock"))
         pairs[2][1].send(b"x")
-        woken.append(await waits.wait(selector, replacement, long_s))
+        woken.append(await wait_for(replacement, long_s))
+        waiter.close()
         waits.close()
         return woken
 

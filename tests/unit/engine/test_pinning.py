@@ -258,9 +258,10 @@ def test_stage_wakes_the_orchestrator(
     persistent: bool, monkeypatch: pytest.MonkeyPatch, no_leaks: None
 ) -> None:
     # Each batch through the stage must reach the consumer when the stage is done with it,
-    # not when the orchestrator's health-check wait runs out. Counted, not timed: every wait
-    # that runs out ends in a health check, and with the stage slower than the workers, a
-    # batch the stage did not announce would leave the orchestrator waiting that long.
+    # not when the orchestrator's health-check wait runs out. Counted, not timed: the pool's
+    # poll checks health once a health-check period, and with the stage slower than the
+    # workers, a batch the stage did not announce would leave the orchestrator waiting that
+    # long, and the poll after it would check.
     checks: list[int] = []
     check_health = WorkerPool._check_health
 
