@@ -6,7 +6,9 @@ pure bookkeeping on the event loop: it sends ``(task_id, indices)`` to the worke
 ``prefetch_factor * num_workers`` tasks between "sent" and "yielded", and hands batches out in
 task-id order (or as they complete, with ``in_order=False``). It starts no tasks of its own:
 all of its work happens inside the consumer's ``await engine.next()``, so it needs no task
-group, cannot leak a background task, and is cancelled exactly when the consumer is.
+group, cannot leak a background task, and is cancelled exactly when the consumer is. What
+happened to each task (sent, answered, waiting for its turn, delivered) is recorded in the
+pass's ``_engine.ledger.Ledger``; the orchestrator makes the decisions around that record.
 
 The sync front end drives the same orchestrator without an event loop where it can
 (``next_blocking``: the waits block the calling thread). anyio is imported only under trio
@@ -25,28 +27,26 @@ import sys
 import time
 import types
 import warnings
-from collections import deque
+import weakref
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, NamedTuple, NoReturn
 
 from .._aio.waiting import Waiter, run_off_loop, running_asyncio_loop
 from .._backends.base import BackendTraits, TunableBackend, WorkerBackend
 from .._wire.messages import (
-    AllSkipped,
     Answer,
     Batch,
     Failed,
     Outcome,
     PassPlan,
     Raised,
-    StreamEnded,
     WorkerLost,
 )
-from .._worker.fetch import take_skips
 from ..errors import DataLoaderTimeoutError
-from ..stats import PassStats, SkipCap, SkippedSample
+from ..stats import PassStats, SkipCap
+from .ledger import Ledger
 from .pinning import PinStage, Transfer
-from .resume import PassProgress, StreamPoint
+from .resume import PassProgress
 from .tuning import PassTuning
 
 __all__ = ["END", "PENDING", "Orchestrator", "PassSetup"]
@@ -115,22 +115,6 @@ class PassResources:
                 each.close()
 
 
-class _Sent(NamedTuple):
-    """A task sent and not yet answered."""
-
-    worker_id: int
-    indices: Any
-
-
-class _Assigned(NamedTuple):
-    """A task sent and not yet yielded."""
-
-    worker_id: int
-    position: int  # in sampler order
-    # Where the worker's IterableDataset stream stood after it, once answered.
-    point: StreamPoint | None = None
-
-
 class _Look:
     """Where one ``next`` stands between its waits: the deadline its next wait is bounded by,
     and whether its next step takes in answers."""
@@ -156,14 +140,6 @@ class _Busy:
 
     def __exit__(self, *exc_info: object) -> None:
         self.held = False
-
-
-class _Done(NamedTuple):
-    """An answered task waiting for its turn; its sample count travels with it."""
-
-    worker_id: int
-    outcome: Outcome
-    samples: int
 
 
 class Orchestrator:
@@ -202,32 +178,17 @@ class Orchestrator:
         # Healing: how many more lost workers this pass may replace.
         self._restarts_left = setup.max_worker_restarts
 
-        self._send_idx = 0  # id of the next task to send
-        self._rcvd_idx = 0  # id of the next task to yield (in order)
-        self._inflight: dict[int, _Sent] = {}
-        self._assigned: dict[int, _Assigned] = {}
-        # Tasks handed to the pin stage, in order (it keeps order), with their sample counts.
-        self._staged: deque[tuple[int, int]] = deque()
-        # Answered, waiting for their turn (in order).
-        self._reorder_buffer: dict[int, _Done] = {}
-        # Answered, in arrival order (in_order=False): (task id, answer).
-        self._completed: deque[tuple[int, _Done]] = deque()
-        # Tasks between "sent" and "yielded or skipped", the quantity prefetch bounds.
-        self._unyielded = 0
-        self._per_worker = [0] * num_workers
-        # A resumed IterableDataset pass: streams that had run dry stay so.
-        self._active = [not progress.streams[w].ended for w in range(num_workers)]
-        # Samples each IterableDataset stream had drawn by its last answer.
-        self._samples_seen = [progress.streams[w].samples_seen for w in range(num_workers)]
-        # Where each worker's dataset stood after its last answer: a replacement for a lost
-        # worker starts there (a Stateful dataset's state goes on).
-        self._answered = [progress.streams[w].copy() for w in range(num_workers)]
-        # torch's round robin; a resumed IterableDataset pass starts where the last one was.
-        self._next_worker = progress.next_worker % num_workers
+        # Every task, from sent to delivered (and what each worker's dataset reached).
+        self._ledger = Ledger(
+            progress,
+            self.stats,
+            num_workers,
+            in_order=setup.in_order,
+            skip_cap=setup.skip_cap,
+            over_cap=weakref.WeakMethod(self._over_cap),
+        )
         self._sampler_done = False
         self._num_yielded = len(progress.yielded)
-        # Skipped samples of answered tasks, recorded when the task is delivered.
-        self._skips: dict[int, list[SkippedSample]] = {}
         self._fatal: BaseException | None = None
         self._finished = False
         self._closed = False
@@ -266,44 +227,24 @@ class Orchestrator:
         if self._backend is _NOT_STARTED:
             return PENDING
         self._dispatch()
-        stage = self._stage
+        stage, ledger = self._stage, self._ledger
         if intake or stage is not None:
             for event in self._backend.poll():
                 if isinstance(event, Answer):
-                    self._accept(event)
+                    ledger.accept(event)
                 else:
                     self._lost(event)
         if stage is None:
-            ready = self._pop_ready()
-            if ready is not None:
-                return self._deliver(*ready)
+            ready = ledger.pop_ready()
         else:
             stage.drain_wake()
-            while True:
-                while stage.has_room():
-                    # An IterableDataset's "end" goes through the stage too, so that it is
-                    # recorded only once every batch before it has been yielded.
-                    ready = self._pop_ready(through_stage=True)
-                    if ready is None:
-                        break
-                    task_id, outcome, samples = ready
-                    self._staged.append((task_id, samples))
-                    stage.submit(outcome)
-                staged = stage.take()
-                if isinstance(staged, StreamEnded):
-                    self._end_reached(self._staged.popleft()[0])
-                    continue
-                if isinstance(staged, AllSkipped):
-                    self._record_yield(self._staged.popleft()[0])
-                    continue
-                break
-            if staged is not None:
-                task_id, samples = self._staged.popleft()
-                return self._deliver(task_id, staged, samples)
-            if stage.pending:
+            ready = ledger.through_stage(stage)
+            if ready is None and stage.pending:
                 return PENDING
-        if not self._inflight and (self._sampler_done or not any(self._active)):
-            self._check_skip_cap(final=True)
+        if ready is not None:
+            return self._deliver(*ready)
+        if not ledger.inflight and (self._sampler_done or not any(ledger.active)):
+            ledger.check_skip_cap(final=True)
             self._finished = True
             self.progress.finished = True
             return END
@@ -402,8 +343,7 @@ class Orchestrator:
         processes."""
         if not self._in_order or self._stage is not None:
             return None
-        sent = self._inflight.get(self._rcvd_idx)
-        return sent.worker_id if sent is not None else None
+        return self._ledger.awaited()
 
     def _step_before(self, deadline: float, intake: bool = True) -> tuple[Any, float]:
         """``step(intake)``, handling a passed ``deadline`` (``timeout``): with healing on, the
@@ -418,14 +358,14 @@ class Orchestrator:
                 # Nothing was taken in: an answer may be waiting. Look before blaming a worker.
                 intake = True
                 continue
-            stuck = self._stuck_worker()
-            if stuck is None or self._restarts_left <= 0:
+            oldest = self._ledger.oldest()
+            if oldest is None or self._restarts_left <= 0:
                 # Stuck in a sample: this pass may go on, but no other runs on these workers.
                 self._backend.retire()
                 raise self._timeout_error()
             # A hung worker, and healing is on: stop it; its loss is handled as any other
             # (replaced, its tasks sent again) and the wait starts over.
-            self._backend.abandon(stuck)
+            self._backend.abandon(oldest[1].worker_id)
             deadline = time.monotonic() + self._timeout
 
     def _make_owned_backend(self) -> WorkerBackend:
@@ -503,19 +443,19 @@ class Orchestrator:
         # torch's rule: the next active worker in the cycle; with in_order=False also one that
         # holds fewer than its share of the prefetch budget.
         # (Among the first ``_slots`` workers: num_workers="auto" may use fewer than it has.)
-        slots = self._slots
-        active = sum(self._active[:slots])
+        slots, ledger = self._slots, self._ledger
+        active = sum(ledger.active[:slots])
         for _ in range(slots):
-            worker_id = self._next_worker if self._next_worker < slots else 0
-            self._next_worker = (worker_id + 1) % slots
-            if self._active[worker_id] and (
-                self._in_order or self._per_worker[worker_id] < self._capacity // active
+            worker_id = ledger.next_worker if ledger.next_worker < slots else 0
+            ledger.next_worker = (worker_id + 1) % slots
+            if ledger.active[worker_id] and (
+                self._in_order or ledger.per_worker[worker_id] < self._capacity // active
             ):
                 return worker_id
         return None
 
     def _dispatch(self) -> None:
-        while not self._sampler_done and self._unyielded < self._capacity:
+        while not self._sampler_done and self._ledger.unyielded < self._capacity:
             worker_id = self._pick_worker()
             if worker_id is None:
                 return
@@ -524,13 +464,8 @@ class Orchestrator:
             except StopIteration:
                 self._sampler_done = True
                 return
-            task_id = self._send_idx
-            self._send_idx += 1
+            task_id = self._ledger.sent(worker_id, position, indices)
             self._backend.submit(worker_id, task_id, indices)
-            self._inflight[task_id] = _Sent(worker_id, indices)
-            self._assigned[task_id] = _Assigned(worker_id, position)
-            self._per_worker[worker_id] += 1
-            self._unyielded += 1
 
     # -- results -----------------------------------------------------------------------------
 
@@ -539,10 +474,10 @@ class Orchestrator:
         tasks, with the same task ids: the reorder buffer neither loses nor duplicates a
         batch. (Answers its predecessor sent before dying were taken in first.) Otherwise the
         pass ends with the backend's error, naming the indices the worker held."""
-        held = sorted(t for t, sent in self._inflight.items() if sent.worker_id == lost.worker_id)
+        held = self._ledger.held_by(lost.worker_id)
         if self._restarts_left <= 0:
             self._fail(lost.error)
-        point = self._answered[lost.worker_id]
+        point = self._ledger.answered[lost.worker_id]
         plan = self._setup.plans[lost.worker_id]._replace(
             dataset_state=point.dataset_state, iter_state=point.iter_state
         )
@@ -553,130 +488,24 @@ class Orchestrator:
             f"(restart {limit - self._restarts_left} of max_worker_restarts={limit}) and is "
             "sending its unfinished tasks again.",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=5,  # next or next_blocking (under _look, _step_before and step)
         )
         self.stats.restarted(lost.worker_id)
         self._backend.restart(lost.worker_id, plan)
         self.stats.where[lost.worker_id] = self._backend.describe(lost.worker_id)
         for task_id in held:
-            self._backend.submit(lost.worker_id, task_id, self._inflight[task_id].indices)
+            self._backend.submit(lost.worker_id, task_id, self._ledger.inflight[task_id].indices)
 
-    def _accept(self, answer: Answer) -> None:
-        task_id, worker_id, outcome = answer.task_id, answer.worker_id, answer.outcome
-        sent = self._inflight.pop(task_id, None)
-        if sent is None:
-            return
-        if answer.busy_s is not None:
-            self.stats.fetched(worker_id, answer.busy_s)
-        samples = self.stats.count(sent.indices)
-        skipped, outcome = take_skips(outcome)
-        if skipped:
-            # The skip records travel inside the batch's answer; they count when the task is
-            # delivered (one with nothing left is delivered as AllSkipped: not yielded).
-            self._skips[task_id] = skipped
-            samples -= len(skipped)
-        stream = answer.stream
-        if stream is not None:
-            # Where the worker's dataset stands after the task: recorded when it is delivered.
-            point = StreamPoint.of(stream)
-            self._answered[worker_id] = point
-            self._assigned[task_id] = self._assigned[task_id]._replace(point=point)
-        if isinstance(outcome, StreamEnded):
-            # This worker's IterableDataset copy has run dry for this epoch.
-            self._active[worker_id] = False
-        elif self.progress.iterable and stream is not None:
-            # The stream's own count says what the batch holds (a short last batch, or a
-            # collate whose result has no batch dimension).
-            samples = stream.samples_seen - self._samples_seen[worker_id] - len(skipped)
-            self._samples_seen[worker_id] = stream.samples_seen
-        done = _Done(worker_id, outcome, samples)
-        if self._in_order:
-            self._reorder_buffer[task_id] = done
-        else:
-            self._completed.append((task_id, done))
-
-    def _pop_ready(self, through_stage: bool = False) -> tuple[int, Outcome, int] | None:
-        while True:
-            if self._in_order:
-                done = self._reorder_buffer.pop(self._rcvd_idx, None)
-                if done is None:
-                    return None
-                task_id = self._rcvd_idx
-                self._rcvd_idx += 1
-            else:
-                if not self._completed:
-                    return None
-                task_id, done = self._completed.popleft()
-            self._unyielded -= 1
-            if isinstance(done.outcome, StreamEnded):
-                if through_stage:
-                    return task_id, done.outcome, 0
-                self._end_reached(task_id)
-                continue
-            self._per_worker[done.worker_id] -= 1
-            if isinstance(done.outcome, AllSkipped) and not through_stage:
-                # Nothing to yield, but delivered here, in its turn (through the stage, which
-                # keeps the order, it is recorded when the stage hands it back).
-                self._record_yield(task_id)
-                continue
-            return task_id, done.outcome, done.samples
-
-    def _end_reached(self, task_id: int) -> None:
-        assigned = self._assigned.pop(task_id, None)
-        if assigned is not None:
-            if assigned.point is not None:
-                # The state after the stream ran dry: what the next pass starts from.
-                self.progress.streams[assigned.worker_id] = assigned.point
-            self.progress.streams[assigned.worker_id].ended = True
-        self._note_next_worker(task_id)
-
-    def _note_next_worker(self, task_id: int) -> None:
-        # In order, the batch after this one is task_id + 1: the worker it went to, or (not
-        # sent yet) the one the round robin will pick.
-        following = self._assigned.get(task_id + 1)
-        self.progress.next_worker = following.worker_id if following else self._next_worker
-
-    def _record_yield(self, task_id: int) -> None:
-        assigned = self._assigned.pop(task_id, None)
-        if assigned is None:
-            return
-        progress = self.progress
-        progress.yielded.add(assigned.position)
-        if assigned.point is not None:
-            progress.streams[assigned.worker_id] = assigned.point
-        # (Map-style too: a resumed pass gives the next batch to the worker whose dataset
-        # state would have fetched it.)
-        self._note_next_worker(task_id)
-        skipped = self._skips.pop(task_id, None)
-        if skipped:
-            # Recorded with the batch's position, so a checkpoint has both or neither.
-            progress.skipped.extend(skipped)
-        cap = self._setup.skip_cap
-        if cap is not None and (skipped or cap.limit is None):
-            # (A fraction of an unknown total moves with every batch.)
-            self._check_skip_cap(final=False)
-
-    def _check_skip_cap(self, final: bool) -> None:
-        """Past max_skipped, the pass ends with TooManySampleErrors (a kept backend stays:
-        nothing is wrong with its workers)."""
-        cap = self._setup.skip_cap
-        if cap is None:
-            return
-        progress = self.progress
-        if progress.iterable:
-            drawn = sum(point.samples_seen for point in progress.streams)
-        else:
-            drawn = self.stats.samples + len(progress.skipped)
-        error = cap.error(progress.skipped, drawn, final)
-        if error is not None:
-            self._fatal = error
-            self.close()
-            raise error
+    def _over_cap(self, error: BaseException) -> None:
+        """Past max_skipped: the pass ends with TooManySampleErrors (a kept backend stays:
+        nothing is wrong with its workers). The ledger raises it."""
+        self._fatal = error
+        self.close()
 
     def _deliver(self, task_id: int, outcome: Outcome, samples: int) -> Any:
         # Recorded before an error is raised too: a batch whose error reached the consumer
         # has been delivered, and a resumed pass does not fetch it again.
-        self._record_yield(task_id)
+        self._ledger.record_yield(task_id)
         if isinstance(outcome, Failed):
             # The epoch goes on after this if the caller catches it, as in torch.
             outcome.error.reraise()
@@ -685,12 +514,8 @@ class Orchestrator:
         assert isinstance(outcome, Batch)
         value = outcome.value
         self._num_yielded += 1
-        self.stats.yielded(
-            value,
-            samples,
-            in_flight=len(self._inflight),
-            waiting=len(self._reorder_buffer) + len(self._completed) + len(self._staged),
-        )
+        ledger = self._ledger
+        self.stats.yielded(value, samples, in_flight=len(ledger.inflight), waiting=ledger.waiting())
         # torch refills the prefetch window as it hands a batch over (``_process_data`` calls
         # ``_try_put_index``), not at the next request. Doing the same keeps the number of
         # tasks sent after k batches at prefetch + k, and with it which sampler draws happen
@@ -700,40 +525,23 @@ class Orchestrator:
         # The queue depths above are read before the refill: they describe what was waiting
         # when this batch was handed over.
         if self._tuning is not None and self._tuning.after_batch(
-            value, len(self._inflight), len(self._reorder_buffer) + len(self._completed)
+            value, len(ledger.inflight), ledger.answered_waiting()
         ):
             self._apply_tuning()
         if self._setup.traits.runs_ahead:
             self._dispatch()
         iterable_len = self._setup.iterable_len
         if iterable_len is not None and self._num_yielded > iterable_len:
-            warn_msg = (
-                f"Length of IterableDataset {self._setup.dataset} was reported to be "
-                f"{iterable_len}(when accessing len(dataloader)), but "
-                f"{self._num_yielded} samples have been fetched. "
-            )
-            if self._setup.traits.runs_ahead:
-                warn_msg += (
-                    "For multiprocessing data-loading, this could be caused by not properly "
-                    "configuring the IterableDataset replica at each worker. Please see "
-                    "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
-                    "for examples."
-                )
-            warnings.warn(warn_msg, stacklevel=4)
+            _warn_past_length(self._setup, self._num_yielded)
         return value
 
     # -- failures ----------------------------------------------------------------------------
 
-    def _stuck_worker(self) -> int | None:
-        if not self._inflight:
-            return None
-        return self._inflight[min(self._inflight)].worker_id
-
     def _timeout_error(self) -> DataLoaderTimeoutError:
         message = f"DataLoader timed out after {self._timeout} seconds"
-        waiting = min(self._inflight) if self._inflight else None
-        if waiting is not None:
-            worker_id, indices = self._inflight[waiting]
+        oldest = self._ledger.oldest()
+        if oldest is not None:
+            waiting, (worker_id, indices) = oldest
             message += (
                 f" (waiting for batch {waiting} from DataLoader worker {worker_id}, "
                 f"{self._backend.describe(worker_id)}, holding indices {_short(indices)})"
@@ -804,6 +612,24 @@ def _yield_to_loop() -> Generator[None, None, None]:
     # asyncio's sleep(0) without the coroutine around it: a bare yield makes the task go
     # round the loop once, and a cancellation is thrown in here when it resumes.
     yield
+
+
+def _warn_past_length(setup: PassSetup, num_yielded: int) -> None:
+    """torch's warning for an IterableDataset that yields more batches than its ``len`` said,
+    word for word (users grep for it), from ``Orchestrator._deliver``."""
+    warn_msg = (
+        f"Length of IterableDataset {setup.dataset} was reported to be "
+        f"{setup.iterable_len}(when accessing len(dataloader)), but "
+        f"{num_yielded} samples have been fetched. "
+    )
+    if setup.traits.runs_ahead:
+        warn_msg += (
+            "For multiprocessing data-loading, this could be caused by not properly "
+            "configuring the IterableDataset replica at each worker. Please see "
+            "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
+            "for examples."
+        )
+    warnings.warn(warn_msg, stacklevel=6)  # next or next_blocking, as for _lost's warning
 
 
 def _short(indices: Any, limit: int = 16) -> str:
