@@ -95,21 +95,44 @@ def encode_frame(message: Any, pack: Pack | None = None) -> bytes:
     return _HEADER.pack(len(payload)) + payload
 
 
-class ParentChannel:
+class _Channel:
+    """What both ends of a worker's socket share: the socket, how its frames are packed and
+    read back, and the buffers its reads land in."""
+
+    # How a pickled frame is read back (see ParentChannel and WorkerChannel).
+    _loads: Callable[[memoryview], Any]
+
+    def __init__(
+        self, sock: socket.socket, pack: Pack | None, unpack: Unpack | None, *, blocking: bool
+    ) -> None:
+        sock.setblocking(blocking)
+        self.sock = sock
+        self.pack = pack
+        self.unpack = unpack
+        self.inbox = bytearray()
+        # Reads land in this buffer, made once. ``recvmsg(n)`` would allocate a fresh n-byte
+        # object per call, which for 1 MiB means an mmap and a munmap per batch.
+        self._chunk = _read_buffer()
+
+    def _message(self, frame: memoryview) -> Any:
+        """One frame's message: packed by the other end's ``pack`` (the common tasks and
+        replies) or pickled."""
+        if frame[0] != _PICKLE_PROTO and self.unpack is not None:
+            return self.unpack(frame)
+        return self._loads(frame)
+
+
+class ParentChannel(_Channel):
     """The parent's non-blocking end of one worker's socket."""
+
+    # Pickled answers name classes that the cache finds again (see _classes).
+    _loads = staticmethod(load_frame)
 
     def __init__(
         self, sock: socket.socket, unpack: Unpack | None = None, pack: Pack | None = None
     ) -> None:
-        sock.setblocking(False)
-        self.sock = sock
-        self.unpack = unpack
-        self.pack = pack
-        self.inbox = bytearray()
+        super().__init__(sock, pack, unpack, blocking=False)
         self.outbox = bytearray()
-        # Reads land in this buffer, made once. ``recvmsg(n)`` would allocate a fresh n-byte
-        # object per call, which for 1 MiB means an mmap and a munmap per batch.
-        self._chunk = _read_buffer()
         self.fds: deque[int] = deque()
         self.closed = False
         # Bytes the last pump_in read (the pool's waits use it: _backends.process._AWAIT_ONE_MAX_READ).
@@ -183,10 +206,7 @@ class ParentChannel:
                 if end > len(view):
                     break
                 with view[pos + _HEADER.size : end] as frame:
-                    if frame[0] != _PICKLE_PROTO and self.unpack is not None:
-                        frames.append(self.unpack(frame))
-                    else:
-                        frames.append(load_frame(frame))
+                    frames.append(self._message(frame))
                 pos = end
         finally:
             view.release()
@@ -206,18 +226,16 @@ class ParentChannel:
             os.close(self.fds.popleft())
 
 
-class WorkerChannel:
+class WorkerChannel(_Channel):
     """The worker's blocking end of its socket."""
+
+    # A worker's pickled frames are rare (a pass's Reset): pickle's own loads serves them.
+    _loads = staticmethod(pickle.loads)
 
     def __init__(
         self, sock: socket.socket, pack: Pack | None = None, unpack: Unpack | None = None
     ) -> None:
-        sock.setblocking(True)
-        self.sock = sock
-        self.pack = pack
-        self.unpack = unpack
-        self.inbox = bytearray()
-        self._chunk = _read_buffer()  # see ParentChannel
+        super().__init__(sock, pack, unpack, blocking=True)
 
     def send(self, message: Any, fds: list[int] | None = None) -> None:
         frame = encode_frame(message, self.pack)
@@ -261,9 +279,6 @@ class WorkerChannel:
         (size,) = _HEADER.unpack_from(self.inbox, 0)
         end = _HEADER.size + size
         with memoryview(self.inbox)[_HEADER.size : end] as frame:
-            if frame[0] != _PICKLE_PROTO and self.unpack is not None:
-                message = self.unpack(frame)
-            else:
-                message = pickle.loads(frame)
+            message = self._message(frame)
         del self.inbox[:end]
         return message
