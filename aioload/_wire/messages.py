@@ -47,6 +47,7 @@ __all__ = [
     "WorkerLost",
     "answer_to",
     "failed_in_setup",
+    "outcome_of",
 ]
 
 # -- parent -> worker -------------------------------------------------------------------------
@@ -215,19 +216,22 @@ def answer_to(
     reply: Reply,
     batch_value: Callable[[SlabBatch | PickledBatch | ValueBatch], Any],
 ) -> Answer:
-    """A worker's reply as the engine sees it, whichever backend carried it: a failure becomes
-    ``Failed`` (re-raised in the consumer with the worker's traceback), an ended stream stays as
-    it is, and a batch becomes the value ``batch_value`` makes of it, which only the backend
-    that carried it knows how to make (views of a slab, an unpickled payload, a Ray object)."""
-    result = reply.result
-    outcome: Outcome
-    if isinstance(result, Failure):
-        outcome = Failed(result.error)
-    elif isinstance(result, StreamEnded):
-        outcome = result
-    else:
-        outcome = Batch(batch_value(result))
+    """A worker's reply as the engine sees it, whichever backend carried it (``outcome_of``)."""
+    outcome = outcome_of(reply.result, batch_value)
     return Answer(worker_id, reply.task_id, outcome, reply.stream, reply.busy_s)
+
+
+def outcome_of(result: Any, batch_value: Callable[[Any], Any]) -> Outcome:
+    """What a worker's step made of a task, as the engine sees it: a ``Failure`` becomes
+    ``Failed`` (re-raised in the consumer with the worker's traceback), an ended stream stays as
+    it is, and anything else is a batch, whose value ``batch_value`` makes of it: only the
+    backend that carried it knows how (views of a slab, an unpickled payload, a Ray object, a
+    step's ``Produced`` in the calling process)."""
+    if isinstance(result, Failure):
+        return Failed(result.error)
+    if isinstance(result, StreamEnded):
+        return result
+    return Batch(batch_value(result))
 
 
 def failed_in_setup(answer: Answer) -> bool:
