@@ -49,11 +49,13 @@ print(json.dumps({"collections": during, "enabled": gc.isenabled()}))
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("collector", ["on", "off"])
-def test_importing_the_engine_runs_one_collection_at_most(collector: str) -> None:
+def test_importing_the_engine_runs_one_collection_per_pause_at_most(collector: str) -> None:
     # Without the pause, `aioload.DataLoader` and the worker-side module that a loader's first
     # pass imports made enough objects for five young-generation collections and one of the
-    # middle generation. Paused, the young generation is collected once, right after.
+    # middle generation. Paused, the young generation is collected at most once right after
+    # each of the two pauses (the engine's import, and the first loader's warm-up of the
+    # worker side), as the objects they made tip the count; none in the middle of an import.
     got = json.loads(run_fresh(_SCRIPT, collector))
     young, middle, old = got["collections"]
     assert got["enabled"] == (collector == "on")
-    assert young <= (1 if collector == "on" else 0) and middle == old == 0, got
+    assert young <= (2 if collector == "on" else 0) and middle == old == 0, got
