@@ -27,7 +27,7 @@ from .._wire.messages import Event, PassPlan
 
 if TYPE_CHECKING:
     from .._aio.waiting import Descriptor
-    from .._worker.fetch import FetchSpec, SamplePolicy
+    from .._worker.fetch import SamplePolicy
     from .._worker.main import WorkerConfig
 
 __all__ = [
@@ -226,19 +226,6 @@ class WorkerSpec(NamedTuple):
     world_size: int = 1
     worker_concurrency: int = 1
     sample_policy: SamplePolicy | None = None
-
-    def fetch_spec(self) -> FetchSpec:
-        """What the calling process's fetchers are made from (``num_workers=0``)."""
-        from .._worker.fetch import FetchSpec
-
-        return FetchSpec(
-            dataset_kind=self.dataset_kind,
-            dataset=self.dataset,
-            auto_collation=self.auto_collation,
-            collate_fn=self.collate_fn,
-            drop_last=self.drop_last,
-            policy=self.sample_policy,
-        )
 
     def worker_config(
         self,
