@@ -67,7 +67,10 @@ OUT_OF_PROCESS = BackendTraits(slow_start=True, runs_ahead=True)
 class CallerWork(Protocol):
     """Work that a backend must run in the caller before its ``poll`` can have an answer: the
     fetch itself, where the calling process is the worker (``num_workers=0``). The engine runs
-    it in place of a sleep; there is nothing to wait for that does not run here."""
+    it in place of a sleep, since no other thread or process would: a sleep would never end.
+    The backend hands it over in its ``Waitable``, wait by wait, so the engine never asks
+    which kind of backend it drives, and one backend may need it for some waits only (the
+    calling process with no task left sleeps until its pin stage hands a batch back)."""
 
     async def work(self) -> None:
         """Under ``async for``: run it without blocking the loop (in a thread, or awaited)."""
