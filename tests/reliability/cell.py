@@ -179,6 +179,14 @@ class Pass:
             self.kept.append(batch)
         self.last_at = time.monotonic()
 
+    def take(self, batch: torch.Tensor, stop_after: int) -> bool:
+        """``add`` the batch; whether the pass stops here, ``stop_after`` batches in."""
+        self.add(batch)
+        if len(self.values) == stop_after:
+            self.stopped_at = time.monotonic()
+            return True
+        return False
+
     def fail(self, exc: BaseException) -> None:
         # Only a description is kept: the exception's traceback would hold the iterator.
         self.raised_at = time.monotonic()
@@ -230,9 +238,7 @@ def run_pass(
     if mode == "sync":
         try:
             for batch in loader:
-                rec.add(batch)
-                if len(rec.values) == stop_after:
-                    rec.stopped_at = time.monotonic()
+                if rec.take(batch, stop_after):
                     break
         except Exception as exc:
             rec.fail(exc)
@@ -241,9 +247,7 @@ def run_pass(
     async def consume() -> None:
         try:
             async for batch in loader:
-                rec.add(batch)
-                if len(rec.values) == stop_after:
-                    rec.stopped_at = time.monotonic()
+                if rec.take(batch, stop_after):
                     break
         except Exception as exc:
             rec.fail(exc)

@@ -1,8 +1,9 @@
 """The failure matrix: every way a pass can fail or be stopped, each cell in a child process.
 
-Each cell runs ``tests.reliability.cell`` in a fresh interpreter with a hard timeout; the child
-makes the failure happen, measures, checks for leftovers itself and prints one JSON line, on
-which this module asserts:
+Each cell runs ``tests.reliability.cell`` in a process of its own with a hard timeout, forked
+from ``tests.reliability.cell_server`` (which has made the imports once; the signalled cells
+below run in a fresh interpreter); the child makes the failure happen, measures, checks for
+leftovers itself and prints one JSON line, on which this module asserts:
 
 * the error's type and message (worker id, pid, signal name or exit code, the worker's
   traceback), reported within 5 s (``REPORT_S``, scaled by ``AIOLOAD_TEST_TIME_SCALE``; the
@@ -19,6 +20,7 @@ only warns; the cell is still run). Elsewhere the cross product is pruned to wha
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -26,6 +28,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -180,18 +183,112 @@ def _result(stdout: str, stderr: str) -> dict[str, Any]:
     return result
 
 
-def _run(cell: CellSpec) -> dict[str, Any]:
+class CellServer:
+    """``tests.reliability.cell_server``: forks each cell from one interpreter that has made
+    its imports (about 2 s a cell on the 2-core machine) once. A cell that runs past
+    ``HARD_TIMEOUT_S`` is killed with its workers, and reported as hung."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.count = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.pending = b""
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        if self.proc is None or self.proc.poll() is not None:
+            self.close()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.reliability.cell_server"],
+                cwd=REPO,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+            )
+            self.pending = b""
+        return self.proc
+
+    def _line(self, proc: subprocess.Popen[bytes], deadline: float) -> str | None:
+        """The server's next line, or None if none came by ``deadline`` (or it exited)."""
+        assert proc.stdout is not None
+        while b"\n" not in self.pending:
+            with selectors.DefaultSelector() as sel:
+                sel.register(proc.stdout, selectors.EVENT_READ)
+                if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                    return None
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            if not chunk:
+                return None
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return line.decode()
+
+    def run(self, args: list[str]) -> tuple[str, str]:
+        """Run one cell; its stdout and stderr."""
+        proc = self._start()
+        assert proc.stdin is not None
+        self.count += 1
+        out, err = self.tmp / f"{self.count}.out", self.tmp / f"{self.count}.err"
+        request = {"args": args, "out": str(out), "err": str(err)}
+        pid: int | None = None
+        try:
+            proc.stdin.write(json.dumps(request).encode() + b"\n")
+            proc.stdin.flush()
+            started = self._line(proc, time.monotonic() + HARD_TIMEOUT_S)
+            assert started is not None and started.startswith("STARTED "), (
+                f"the cell server did not start the cell: {started!r}"
+            )
+            pid = int(started.split()[1])
+            if self._line(proc, time.monotonic() + HARD_TIMEOUT_S) is None:
+                raise AssertionError(
+                    f"the cell hung past {HARD_TIMEOUT_S} s\nstdout:\n"
+                    f"{out.read_text()[-3000:]}\nstderr:\n{err.read_text()[-6000:]}"
+                )
+        except BaseException:
+            # A hung cell, or the test's own timeout: stop the cell, its workers and the
+            # server (the next cell starts a new one).
+            self._abort(pid)
+            raise
+        return out.read_text(), err.read_text()
+
+    def _abort(self, pid: int | None) -> None:
+        tree: list[psutil.Process] = []
+        if pid is not None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                cell = psutil.Process(pid)
+                tree = [*cell.children(recursive=True), cell]
+        for proc in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        if self.proc is not None:
+            self.proc.kill()
+        psutil.wait_procs(tree, timeout=within(5))
+        self.close()
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=within(10))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+        self.proc = None
+
+
+@pytest.fixture(scope="module")
+def cells(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CellServer]:
+    server = CellServer(tmp_path_factory.mktemp("cells"))
     try:
-        proc = subprocess.run(
-            cell.argv(), cwd=REPO, capture_output=True, text=True, timeout=HARD_TIMEOUT_S
-        )
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
-        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr or ""
-        raise AssertionError(
-            f"the cell hung past {HARD_TIMEOUT_S} s\nstdout:\n{out[-3000:]}\nstderr:\n{err[-6000:]}"
-        ) from None
-    return _result(proc.stdout, proc.stderr)
+        yield server
+    finally:
+        server.close()
+
+
+def _run(cell: CellSpec, cells: CellServer) -> dict[str, Any]:
+    return _result(*cells.run(cell.argv()[3:]))
 
 
 class Problems:
@@ -411,8 +508,8 @@ CHECKS = {
 
 
 @pytest.mark.parametrize("cell", [pytest.param(c, id=c.id) for c in _matrix()])
-def test_cell(cell: CellSpec) -> None:
-    result = _run(cell)
+def test_cell(cell: CellSpec, cells: CellServer) -> None:
+    result = _run(cell, cells)
     p = Problems(cell, result)
     CHECKS[cell.case](p)
     _check_final(p)
