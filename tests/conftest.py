@@ -56,6 +56,17 @@ def _warm_private_loop() -> None:
     asyncio.run(inside_a_loop())
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _frozen_heap(_warm_private_loop: None) -> None:
+    """Move everything alive when a test module starts (torch, numpy, pytest, every collected
+    test module, and what earlier tests imported lazily: griffe, lightning; ~0.4 s of objects
+    per full collection) out of the collector's reach. ``no_leaks`` collects four times per
+    test; each collection then walks only what this module's tests made, which is all a leak
+    check needs to see."""
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture
 def no_leaks() -> Iterator[None]:
     """Fails the test if it leaves worker processes, descriptors or /dev/shm entries behind.

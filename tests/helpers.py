@@ -21,7 +21,10 @@ from typing import Any
 
 import anyio
 import psutil
+import torch
 import uvloop
+
+import aioload
 
 _REPO = str(Path(__file__).resolve().parents[1])
 
@@ -249,3 +252,17 @@ async def max_stall(
             batches += 1
         done.set()
     return max(gaps), batches
+
+
+def seeded_per_sample(dataset: Any, num_workers: Any, **kwargs: Any) -> aioload.DataLoader[Any]:
+    """``dataset`` 4 samples a batch under ``seed_per_sample``, its generator seeded with 7:
+    each sample's random draws depend on the seed and its index, not on which worker (or how
+    many) fetched it."""
+    return aioload.DataLoader(
+        dataset,
+        batch_size=4,
+        num_workers=num_workers,
+        seed_per_sample=True,
+        generator=torch.Generator().manual_seed(7),
+        **kwargs,
+    )

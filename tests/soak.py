@@ -65,13 +65,18 @@ def kill_a_worker(rng: random.Random) -> None:
             os.kill(rng.choice(workers).pid, signal.SIGKILL)
 
 
+def after_batch(n: int, stop_after: int, kill_at: int | None, rng: random.Random) -> bool:
+    """After batch ``n``: kill a worker if it is time to; whether the pass stops here."""
+    if n == kill_at:
+        kill_a_worker(rng)
+    return n >= stop_after
+
+
 def one_sync(loader: Any, stop_after: int, kill_at: int | None, rng: random.Random) -> int:
     n = 0
     try:
         for n, _ in enumerate(loader, 1):
-            if n == kill_at:
-                kill_a_worker(rng)
-            if n >= stop_after:
+            if after_batch(n, stop_after, kill_at, rng):
                 break
     except aioload.WorkerDiedError:
         pass
@@ -83,9 +88,7 @@ async def one_async(loader: Any, stop_after: int, kill_at: int | None, rng: rand
     try:
         async for _ in loader:
             n += 1
-            if n == kill_at:
-                kill_a_worker(rng)
-            if n >= stop_after:
+            if after_batch(n, stop_after, kill_at, rng):
                 break
     except aioload.WorkerDiedError:
         pass

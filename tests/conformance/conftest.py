@@ -40,18 +40,6 @@ LOADERS: dict[str, type[torch.utils.data.DataLoader[Any]]] = {
 _REFERENCES: dict[tuple[str, ...], Any] = {}
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _frozen_heap() -> Iterator[None]:
-    """Move everything alive once the tests are collected (torch, numpy, pytest: ~0.2 s of
-    objects per full collection) out of the collector's reach. ``no_leaks`` collects four
-    times per test; each collection then walks only what the tests made, which is all a leak
-    check needs to see."""
-    gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()
-
-
 @pytest.fixture(params=list(LOADERS))
 def loader_cls(request: pytest.FixtureRequest) -> type[torch.utils.data.DataLoader[Any]]:
     return LOADERS[request.param]
@@ -164,6 +152,14 @@ def plain(value: Any) -> Any:
 def batches(loader: Any) -> list[Any]:
     """One pass over ``loader``, as plain data."""
     return [plain(batch) for batch in loader]
+
+
+@pytest.fixture
+def no_leaks_with_workers(request: pytest.FixtureRequest, num_workers: int) -> None:
+    """``no_leaks`` for the cells of a test's ``num_workers`` parametrization that start
+    workers: only workers can leak, and a leak check costs ~0.5 s."""
+    if num_workers:
+        request.getfixturevalue("no_leaks")
 
 
 @pytest.fixture

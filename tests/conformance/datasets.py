@@ -140,19 +140,6 @@ class Suicidal(Dataset[int]):
 KILL = signal.SIGKILL
 
 
-class Sharded(IterableDataset[int]):
-    """Splits ``range(n)`` between workers with ``get_worker_info()``, as torch documents."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __iter__(self) -> Iterator[int]:
-        info = torch.utils.data.get_worker_info()
-        if info is None:
-            return iter(range(self.n))
-        return iter(range(info.id, self.n, info.num_workers))
-
-
 class Unsharded(IterableDataset[int]):
     """Does not shard itself: every worker yields all of it, in torch as in aioload."""
 

@@ -14,9 +14,10 @@ import torch
 from torch.utils.data import BatchSampler, SequentialSampler
 
 import aioload
+from tests.scripts.datasets import Sharded
 
 from .conftest import Reference, TorchDataLoader, outcome
-from .datasets import Indices, Sharded
+from .datasets import Indices
 
 MAP = Indices(10)
 ITERABLE = Sharded(10)

@@ -14,12 +14,10 @@ from .datasets import Indices, Mixed, Points, Tensors, collate_as_sum, collate_c
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_default_collate_of_every_sample_type(
-    num_workers: int, loader_cls: type[Any], reference: Reference, request: pytest.FixtureRequest
+    num_workers: int, loader_cls: type[Any], reference: Reference, no_leaks_with_workers: None
 ) -> None:
     """Tensors, numpy arrays and scalars, Python numbers, bools, strings, bytes, lists, dicts
     and namedtuples, nested: the same types, dtypes, shapes and values."""
-    if num_workers:  # leak checks cost ~0.5 s; only workers can leak
-        request.getfixturevalue("no_leaks")
 
     def scenario(cls: type[Any]) -> list[Any]:
         return batches(cls(Mixed(), batch_size=3, num_workers=num_workers))
@@ -33,11 +31,9 @@ def test_default_collate_of_every_sample_type(
 
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_default_convert_without_batching(
-    num_workers: int, loader_cls: type[Any], reference: Reference, request: pytest.FixtureRequest
+    num_workers: int, loader_cls: type[Any], reference: Reference, no_leaks_with_workers: None
 ) -> None:
     """batch_size=None: default_convert turns numpy arrays into tensors and keeps the rest."""
-    if num_workers:  # leak checks cost ~0.5 s; only workers can leak
-        request.getfixturevalue("no_leaks")
 
     def scenario(cls: type[Any]) -> list[Any]:
         return batches(cls(Mixed(), batch_size=None, num_workers=num_workers))
@@ -65,12 +61,10 @@ def test_namedtuple_and_tensor_dataset(
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_custom_collate_fn(
-    num_workers: int, loader_cls: type[Any], reference: Reference, request: pytest.FixtureRequest
+    num_workers: int, loader_cls: type[Any], reference: Reference, no_leaks_with_workers: None
 ) -> None:
     """A collate_fn that returns a dict of Python values, and one that returns a plain list
     (``collate_fn=list``), as torch returns them."""
-    if num_workers:  # leak checks cost ~0.5 s; only workers can leak
-        request.getfixturevalue("no_leaks")
 
     def scenario(cls: type[Any]) -> list[Any]:
         return [
@@ -121,13 +115,11 @@ def test_batch_tensors_report_is_shared(
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="checks the no-accelerator path")
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_pin_memory_without_an_accelerator(
-    num_workers: int, loader_cls: type[Any], reference: Reference, request: pytest.FixtureRequest
+    num_workers: int, loader_cls: type[Any], reference: Reference, no_leaks_with_workers: None
 ) -> None:
     """torch's warning (from torch 2.9 on; none before), once per pass, and plain (unpinned)
     batches, also from a CUDA build on a machine without a GPU; a batch type's own
     pin_memory() is not called."""
-    if num_workers:  # leak checks cost ~0.5 s; only workers can leak
-        request.getfixturevalue("no_leaks")
 
     def scenario(cls: type[Any]) -> dict[str, Any]:
         plain_loader = cls(Indices(6), batch_size=2, num_workers=num_workers, pin_memory=True)

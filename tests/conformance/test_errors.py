@@ -51,12 +51,10 @@ def test_dataset_error(
     num_workers: int,
     loader_cls: type[Any],
     reference: Reference,
-    request: pytest.FixtureRequest,
+    no_leaks_with_workers: None,
 ) -> None:
     """The exception's type, torch's "Caught X in DataLoader worker process N." line, the
     original message and the worker's traceback."""
-    if num_workers:  # leak checks cost ~0.5 s; only workers can leak
-        request.getfixturevalue("no_leaks")
 
     def scenario(cls: type[Any]) -> Raised:
         loader = cls(Failing(12, bad=5, error=error), batch_size=2, num_workers=num_workers)
@@ -122,28 +120,30 @@ def test_unbuildable_exception_type(
         assert got.type is RuntimeError
 
 
-def test_collate_error(loader_cls: type[Any], reference: Reference, no_leaks: None) -> None:
+@pytest.mark.parametrize(
+    "where, refusal",
+    [
+        ({"collate_fn": failing_collate}, "collate refuses a batch of 3"),
+        ({"worker_init_fn": failing_init}, "worker_init_fn refuses worker 0"),
+    ],
+    ids=["collate_fn", "worker_init_fn"],
+)
+def test_user_function_error(
+    where: dict[str, Any],
+    refusal: str,
+    loader_cls: type[Any],
+    reference: Reference,
+    no_leaks: None,
+) -> None:
     def scenario(cls: type[Any]) -> Raised:
-        loader = cls(Indices(6), batch_size=3, num_workers=1, collate_fn=failing_collate)
+        loader = cls(Indices(6), batch_size=3, num_workers=1, **where)
         return _raised(lambda: list(loader))
 
     got = reference.run(scenario)
     expected = reference(scenario)
     assert got.type is expected.type is ValueError
     assert _first_line(got.message) == _first_line(expected.message)
-    assert "collate refuses a batch of 3" in got.message
-
-
-def test_worker_init_fn_error(loader_cls: type[Any], reference: Reference, no_leaks: None) -> None:
-    def scenario(cls: type[Any]) -> Raised:
-        loader = cls(Indices(6), batch_size=3, num_workers=1, worker_init_fn=failing_init)
-        return _raised(lambda: list(loader))
-
-    got = reference.run(scenario)
-    expected = reference(scenario)
-    assert got.type is expected.type is ValueError
-    assert _first_line(got.message) == _first_line(expected.message)
-    assert "worker_init_fn refuses worker 0" in got.message
+    assert refusal in got.message
 
 
 def test_timeout(

@@ -8,8 +8,10 @@ from typing import Any
 import pytest
 import torch
 
+from tests.scripts.datasets import Sharded
+
 from .conftest import Reference, batches, outcome
-from .datasets import LyingLength, Sharded, UnevenIterable, Unsharded
+from .datasets import LyingLength, UnevenIterable, Unsharded
 
 with warnings.catch_warnings():
     # DataPipes are deprecated in torch, and still shipped and used.
@@ -28,12 +30,10 @@ def test_sharded_by_get_worker_info(
     drop_last: bool,
     loader_cls: type[Any],
     reference: Reference,
-    request: pytest.FixtureRequest,
+    no_leaks_with_workers: None,
 ) -> None:
     """A dataset that shards itself with get_worker_info(): every item once, in torch's
     order (batches taken from the workers in turn), drop_last applied per worker."""
-    if num_workers:  # leak checks cost ~0.5 s; only workers can leak
-        request.getfixturevalue("no_leaks")
 
     def scenario(cls: type[Any]) -> list[Any]:
         loader = cls(
@@ -74,12 +74,10 @@ def test_a_worker_with_nothing_to_yield(
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_len_and_the_wrong_length_warning(
-    num_workers: int, loader_cls: type[Any], reference: Reference, request: pytest.FixtureRequest
+    num_workers: int, loader_cls: type[Any], reference: Reference, no_leaks_with_workers: None
 ) -> None:
     """len(loader) comes from the dataset's __len__; yielding more than it said gives torch's
     warning (worded for multiprocessing when there are workers)."""
-    if num_workers:  # leak checks cost ~0.5 s; only workers can leak
-        request.getfixturevalue("no_leaks")
 
     def scenario(cls: type[Any]) -> dict[str, Any]:
         dataset = LyingLength(6, reported=2)

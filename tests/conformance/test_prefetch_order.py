@@ -146,11 +146,8 @@ def test_in_order_false_yields_ready_batches_first(
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_in_order_true_waits_for_the_slow_batch(
-    num_workers: int, loader_cls: type[Any], reference: Reference, request: pytest.FixtureRequest
+    num_workers: int, loader_cls: type[Any], reference: Reference, no_leaks_with_workers: None
 ) -> None:
-    if num_workers:  # leak checks cost ~0.5 s; only workers can leak
-        request.getfixturevalue("no_leaks")
-
     def scenario(cls: type[Any]) -> list[Any]:
         loader = cls(Sleepy(8, slow=0, seconds=0.3), batch_size=2, num_workers=num_workers)
         return [b.tolist() for b in loader]

@@ -18,6 +18,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 import aioload
 from aioload._engine import tuning
+from tests.helpers import seeded_per_sample
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -141,13 +142,7 @@ def test_async_for_and_in_order_false() -> None:
 @pytest.mark.usefixtures("three_cores")
 def test_seed_per_sample_augmentations_do_not_depend_on_the_count() -> None:
     def batches(num_workers: Any) -> list[torch.Tensor]:
-        loader = aioload.DataLoader(
-            Augmented(),
-            batch_size=4,
-            num_workers=num_workers,
-            seed_per_sample=True,
-            generator=torch.Generator().manual_seed(7),
-        )
+        loader = seeded_per_sample(Augmented(), num_workers)
         if num_workers == "auto":
             scripted(loader, SCRIPT)
         return list(loader)

@@ -25,6 +25,7 @@ import aioload
 import aioload.loader
 from aioload._engine.pinning import Transfer
 from aioload._worker.fetch import retry_delay
+from tests.helpers import flat, seeded_per_sample
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -262,10 +263,6 @@ class DiesOnce(Flaky):
             Path(self.marker).touch()
             os._exit(7)
         return super().__getitem__(i)
-
-
-def flat(batches: list[Any]) -> list[int]:
-    return [int(x) for batch in batches for x in batch]
 
 
 def skip_only_in_workers(index: Any, error: BaseException) -> str:
@@ -732,14 +729,7 @@ def test_iterable_resume_carries_the_skips() -> None:
 
 def test_seed_per_sample_and_persistent_workers(no_leaks: None) -> None:
     def run(num_workers: int) -> list[list[float]]:
-        loader = aioload.DataLoader(
-            Random(),
-            batch_size=4,
-            num_workers=num_workers,
-            seed_per_sample=True,
-            generator=torch.Generator().manual_seed(7),
-            on_sample_error="skip",
-        )
+        loader = seeded_per_sample(Random(), num_workers, on_sample_error="skip")
         return [batch.tolist() for batch in loader]
 
     # The surviving batches are the same whatever the number of workers.

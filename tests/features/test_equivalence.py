@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 import aioload
-from tests.scripts.datasets import Squares
+from tests.scripts.datasets import Sharded, Squares
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,20 +49,6 @@ class Pairs(Dataset[Pair]):
 
     def __getitem__(self, i: int) -> Pair:
         return Pair(torch.arange(i, i + 3), i)
-
-
-class Sharded(IterableDataset[int]):
-    """Splits itself by worker, as torch's documentation shows; uneven shards on purpose."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __iter__(self) -> Iterator[int]:
-        info = torch.utils.data.get_worker_info()
-        if info is None:
-            yield from range(self.n)
-            return
-        yield from range(info.id, self.n, info.num_workers)
 
 
 class Unsharded(IterableDataset[int]):

@@ -169,18 +169,33 @@ def test_async_for_and_sync_dataset_agree(server: tuple[FileServer, list[str]]) 
     _check(async_batches, list(range(400)))
 
 
+def _with_a_bad_path(
+    server: tuple[FileServer, list[str]],
+    n: int,
+    bad: int,
+    how: str,
+    batch_size: int,
+    closed_log: Path | None = None,
+    **kwargs: Any,
+) -> aioload.DataLoader[Any]:
+    """AsyncFiles over the first ``n`` files, file ``bad`` asked for under ``how/`` (the
+    server's ``missing/``, ``reset/`` or ``stall/``), ``batch_size`` files a batch and as many
+    in flight per worker."""
+    http, names = server
+    paths = names[:n]
+    paths[bad] = f"{how}/{paths[bad]}"
+    return aioload.DataLoader(
+        AsyncFiles(http.url, paths, closed_log=closed_log),
+        batch_size=batch_size,
+        collate_fn=keep_list,
+        worker_concurrency=batch_size,
+        **kwargs,
+    )
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_404(num_workers: int, server: tuple[FileServer, list[str]]) -> None:
-    http, names = server
-    paths = names[:20]
-    paths[13] = "missing/" + paths[13]
-    loader = aioload.DataLoader(
-        AsyncFiles(http.url, paths),
-        batch_size=5,
-        num_workers=num_workers,
-        collate_fn=keep_list,
-        worker_concurrency=5,
-    )
+    loader = _with_a_bad_path(server, 20, 13, "missing", 5, num_workers=num_workers)
     it = iter(loader)
     _check([next(it), next(it)], list(range(10)))
     # httpx.HTTPStatusError cannot be built from a message alone, so from a worker it arrives
@@ -193,16 +208,7 @@ def test_404(num_workers: int, server: tuple[FileServer, list[str]]) -> None:
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_connection_reset(num_workers: int, server: tuple[FileServer, list[str]]) -> None:
-    http, names = server
-    paths = names[:12]
-    paths[6] = "reset/" + paths[6]
-    loader = aioload.DataLoader(
-        AsyncFiles(http.url, paths),
-        batch_size=4,
-        num_workers=num_workers,
-        collate_fn=keep_list,
-        worker_concurrency=4,
-    )
+    loader = _with_a_bad_path(server, 12, 6, "reset", 4, num_workers=num_workers)
     it = iter(loader)
     _check([next(it)], list(range(4)))
     with pytest.raises(httpx.TransportError) as caught:
@@ -228,17 +234,7 @@ def test_sync_dataset_connection_reset(server: tuple[FileServer, list[str]]) -> 
 def test_stalled_server_times_out_and_workers_shut_down(
     server: tuple[FileServer, list[str]], tmp_path: Path
 ) -> None:
-    http, names = server
-    paths = names[:16]
-    paths[9] = "stall/" + paths[9]
-    loader = aioload.DataLoader(
-        AsyncFiles(http.url, paths, closed_log=tmp_path),
-        batch_size=4,
-        num_workers=2,
-        collate_fn=keep_list,
-        timeout=1.0,
-        worker_concurrency=4,
-    )
+    loader = _with_a_bad_path(server, 16, 9, "stall", 4, tmp_path, num_workers=2, timeout=1.0)
     it = iter(loader)
     _check([next(it), next(it)], list(range(8)))
     start = time.monotonic()

@@ -44,6 +44,11 @@ class Indexed(Dataset[torch.Tensor]):
         return torch.tensor([index])
 
 
+def _shuffled(**kwargs: Any) -> aioload.DataLoader[Any]:
+    """A shuffled loader of ``Indexed``, ``BATCH`` samples a batch."""
+    return aioload.DataLoader(Indexed(), batch_size=BATCH, shuffle=True, **kwargs)
+
+
 class Augmented(Dataset[torch.Tensor]):
     """Random augmentation from all three RNGs, as real pipelines do."""
 
@@ -174,9 +179,7 @@ def test_map_style_resume_in_order(kind: str, num_workers: int) -> None:
 @pytest.mark.parametrize("num_workers", [0, 2, 3])
 def test_map_style_resume_out_of_order_same_multiset(num_workers: int) -> None:
     def make() -> aioload.DataLoader[Any]:
-        return aioload.DataLoader(
-            Indexed(), batch_size=BATCH, num_workers=num_workers, shuffle=True, in_order=False
-        )
+        return _shuffled(num_workers=num_workers, in_order=False)
 
     reference, resumed = _run(make, stop_after=5)
     assert sorted(resumed) == sorted(reference)
@@ -187,13 +190,7 @@ def test_map_style_resume_out_of_order_same_multiset(num_workers: int) -> None:
 @pytest.mark.parametrize("persistent", [False, True])
 def test_resume_mid_nth_epoch(mode: str, persistent: bool) -> None:
     def make() -> aioload.DataLoader[Any]:
-        return aioload.DataLoader(
-            Indexed(),
-            batch_size=BATCH,
-            num_workers=2,
-            shuffle=True,
-            persistent_workers=persistent,
-        )
+        return _shuffled(num_workers=2, persistent_workers=persistent)
 
     reference, resumed = _run(make, stop_after=6, epochs_before=2, mode=mode)
     assert resumed == reference
@@ -203,21 +200,21 @@ def test_resume_at_every_point_and_with_other_num_workers() -> None:
     """Any stopping point, including 0 and the very end; a map-style state may be resumed
     with a different number of workers."""
     torch.manual_seed(5)
-    reference = [_rows(b) for b in aioload.DataLoader(Indexed(), batch_size=BATCH, shuffle=True)]
+    reference = [_rows(b) for b in _shuffled()]
     for stop in (0, 1, 7, len(reference) - 1, len(reference)):
         torch.manual_seed(5)
-        loader = aioload.DataLoader(Indexed(), batch_size=BATCH, shuffle=True)
+        loader = _shuffled()
         iterator = iter(loader)
         got = [_rows(next(iterator)) for _ in range(stop)]
         state = _roundtrip(loader.state_dict())
-        resumed = aioload.DataLoader(Indexed(), batch_size=BATCH, shuffle=True, num_workers=2)
+        resumed = _shuffled(num_workers=2)
         resumed.load_state_dict(state)
         assert got + [_rows(b) for b in resumed] == reference, stop
 
 
 def test_state_between_epochs_names_the_next_epoch() -> None:
     def make() -> aioload.DataLoader[Any]:
-        return aioload.DataLoader(Indexed(), batch_size=BATCH, shuffle=True)
+        return _shuffled()
 
     torch.manual_seed(3)
     reference_loader = make()
@@ -237,14 +234,14 @@ def test_state_between_epochs_names_the_next_epoch() -> None:
 
 
 def test_load_state_dict_leaves_the_callers_rng_alone() -> None:
-    loader = aioload.DataLoader(Indexed(), batch_size=BATCH, shuffle=True)
+    loader = _shuffled()
     iterator = iter(loader)
     next(iterator)
     state = loader.state_dict()
     torch.manual_seed(77)
     expected = torch.rand(3)
     torch.manual_seed(77)
-    resumed = aioload.DataLoader(Indexed(), batch_size=BATCH, shuffle=True)
+    resumed = _shuffled()
     resumed.load_state_dict(state)
     next(iter(resumed))
     assert torch.equal(torch.rand(3), expected)
@@ -417,13 +414,8 @@ def test_next_epoch_after_resume_with_persistent_workers_and_a_generator() -> No
     generator the next epoch's shuffle comes from."""
 
     def make() -> aioload.DataLoader[Any]:
-        return aioload.DataLoader(
-            Indexed(),
-            batch_size=BATCH,
-            num_workers=2,
-            shuffle=True,
-            persistent_workers=True,
-            generator=torch.Generator().manual_seed(21),
+        return _shuffled(
+            num_workers=2, persistent_workers=True, generator=torch.Generator().manual_seed(21)
         )
 
     reference_loader = make()
@@ -552,11 +544,11 @@ def test_iterable_resume_through_the_pin_stage(
 
 
 def test_set_epoch_after_loading_a_mid_epoch_state_drops_it() -> None:
-    loader = aioload.DataLoader(Indexed(), batch_size=BATCH, shuffle=True)
+    loader = _shuffled()
     iterator = iter(loader)
     next(iterator)
     state = loader.state_dict()
-    resumed = aioload.DataLoader(Indexed(), batch_size=BATCH, shuffle=True)
+    resumed = _shuffled()
     resumed.load_state_dict(state)
     resumed.set_epoch(0)  # the checkpoint's own epoch: kept
     assert resumed.state_dict()["in_progress"] is True
@@ -567,7 +559,7 @@ def test_set_epoch_after_loading_a_mid_epoch_state_drops_it() -> None:
 
 
 def test_load_state_dict_checks_the_generators_up_front() -> None:
-    loader = aioload.DataLoader(Indexed(), batch_size=BATCH, shuffle=True)
+    loader = _shuffled()
     other = aioload.DataLoader(
         Indexed(), batch_size=BATCH, shuffle=True, generator=torch.Generator()
     )

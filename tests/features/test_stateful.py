@@ -135,16 +135,16 @@ def _maker(setting: tuple[str, int, bool, bool]) -> Make:
             extra = {"num_workers": workers, "persistent_workers": persistent}
         if kind == "iterable":
             return aioload.DataLoader(EpochStream(12), batch_size=2, **extra)
-        # A shuffled map-style dataset with a random draw of its own in each worker's copy.
-        return aioload.DataLoader(
-            RngMap(12),
-            batch_size=3,
-            shuffle=True,
-            generator=torch.Generator().manual_seed(7) if generator else None,
-            **extra,
-        )
+        return rng_map(7 if generator else None, **extra)
 
     return make
+
+
+def rng_map(seed: int | None, **kwargs: Any) -> aioload.DataLoader[Any]:
+    """A shuffled map-style dataset with a random draw of its own in each worker's copy, 3
+    samples a batch; shuffled by a generator seeded with ``seed`` (None: torch's global one)."""
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    return aioload.DataLoader(RngMap(12), batch_size=3, shuffle=True, generator=generator, **kwargs)
 
 
 _references: dict[str, Epochs] = {}
@@ -275,14 +275,7 @@ def test_kept_workers_after_a_break_resume_exactly(stop: int) -> None:
     after ``iter()``, or two batches in) names exactly what they hold."""
 
     def make() -> aioload.DataLoader[Any]:
-        return aioload.DataLoader(
-            RngMap(12),
-            batch_size=3,
-            shuffle=True,
-            generator=torch.Generator().manual_seed(1),
-            num_workers=2,
-            persistent_workers=True,
-        )
+        return rng_map(1, num_workers=2, persistent_workers=True)
 
     def run(checkpoint: bool) -> Epochs:
         loader = make()
@@ -340,11 +333,7 @@ def test_per_worker_dataset_states_need_the_same_num_workers() -> None:
     (StatefulDataLoader refuses any change too). A state with no worker state in it (between
     passes on fresh workers) loads into any num_workers, as a plain map-style one does."""
     loader = aioload.DataLoader(RngMap(12), batch_size=3, num_workers=2)
-    iterator = iter(loader)
-    next(iterator)
-    next(iterator)
-    state = loader.state_dict()
-    del iterator
+    state = _state_after(loader, 2)
     other = aioload.DataLoader(RngMap(12), batch_size=3, num_workers=3)
     with pytest.raises(ValueError, match=r"num_workers=2.*num_workers=3"):
         other.load_state_dict(state)
@@ -367,13 +356,18 @@ def test_snapshot_every_n_steps_is_accepted() -> None:
 # -- the state's format ----------------------------------------------------------------------
 
 
-def _mid_pass_state(**extra: Any) -> dict[str, Any]:
-    loader = aioload.DataLoader(list(range(12)), batch_size=3, shuffle=True, **extra)
+def _state_after(loader: aioload.DataLoader[Any], batches: int = 1) -> dict[str, Any]:
+    """``loader``'s state once ``batches`` batches of a pass are taken (the pass then dropped)."""
     iterator = iter(loader)
-    next(iterator)
+    for _ in range(batches):
+        next(iterator)
     state = loader.state_dict()
     del iterator
     return state
+
+
+def _mid_pass_state(**extra: Any) -> dict[str, Any]:
+    return _state_after(aioload.DataLoader(list(range(12)), batch_size=3, shuffle=True, **extra))
 
 
 def test_the_state_is_json() -> None:
@@ -469,18 +463,10 @@ def test_a_torchdata_state_is_named_as_such() -> None:
 
 
 def test_a_state_for_another_kind_of_sampler_or_dataset_is_refused() -> None:
-    loader = aioload.DataLoader(list(range(20)), batch_size=3, sampler=RngSampler(20))
-    iterator = iter(loader)
-    next(iterator)
-    state = loader.state_dict()
-    del iterator
+    state = _state_after(aioload.DataLoader(list(range(20)), batch_size=3, sampler=RngSampler(20)))
     with pytest.raises(ValueError, match="sampler"):
         aioload.DataLoader(list(range(20)), batch_size=3).load_state_dict(state)
 
-    loader = aioload.DataLoader(RngMap(6), batch_size=3)
-    iterator = iter(loader)
-    next(iterator)
-    state = loader.state_dict()
-    del iterator
+    state = _state_after(aioload.DataLoader(RngMap(6), batch_size=3))
     with pytest.raises(ValueError, match="has no load_state_dict"):
         aioload.DataLoader(list(range(6)), batch_size=3).load_state_dict(state)

@@ -2,47 +2,25 @@
 local workers (each actor's dataset reports its state with its batches, and loads it when a
 pass starts), so a checkpoint taken on Ray resumes exactly, on Ray or on local workers.
 
-As in test_ray_workers.py, the outer test re-runs this module inside a loopback-only network
-namespace, where the inner tests start a real Ray instance.
+Inner tests only: the outer test in test_ray_workers.py runs them, with that module's, inside
+a loopback-only network namespace on one local Ray (see conftest.py).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 import aioload
 
-from ..features.test_stateful import _interrupted, _uninterrupted
-from ..helpers import within
-from ..scripts.stateful import EpochStream, RngMap
-from . import test_ray_workers as _ray
-from .test_ray_workers import INSIDE, inner, run_inside_a_namespace
-
-# The Ray session and the per-test RayWorkers, shared with test_ray_workers.py.
-ray_session = _ray.ray_session
-ray_workers = _ray.ray_workers
+from ..features.test_stateful import _interrupted, _uninterrupted, rng_map
+from ..scripts.stateful import EpochStream
+from .conftest import inner
 
 
-@pytest.mark.skipif(INSIDE, reason="this is the outer test")
-@pytest.mark.timeout(within(420))
-def test_ray_stateful_in_a_loopback_only_namespace() -> None:
-    run_inside_a_namespace(Path(__file__), within(400))
-
-
-def _map(workers: aioload.RayWorkers | None, persistent: bool = True) -> Any:
-    return aioload.DataLoader(
-        RngMap(12),
-        batch_size=3,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(7),
-        num_workers=2,
-        persistent_workers=persistent,
-        workers=workers,
-    )
+def _map(workers: aioload.RayWorkers | None) -> Any:
+    return rng_map(7, num_workers=2, persistent_workers=True, workers=workers)
 
 
 # Two pools of two actors per test: each fresh actor is a process that imports torch, which

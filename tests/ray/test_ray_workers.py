@@ -1,121 +1,48 @@
 """Workers as Ray actors, against a real Ray instance that can reach only loopback.
 
-Ray binds to the machine's external interface by default, and tests may talk only to
-127.0.0.1. So the outer test re-runs this module in a child inside a private network namespace
-(``unshare -n``, then ``ip link set lo up``), where loopback is the only interface; the inner
-tests run only there (``AIOLOAD_RAY_NETNS=1``). Where no namespace can be made (not root, no
-unshare), the outer test skips and says so.
+The outer test re-runs the inner tests of this module and test_ray_stateful.py in one child
+inside a private network namespace (see conftest.py); the inner tests share one local Ray.
 """
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import Dataset
 
 import aioload
 
-from ..helpers import max_stall, ray_namespace_problem, within
+from ..helpers import max_stall, seeded_per_sample, within
 from ..scripts import datasets
-from ..scripts.datasets import MallocBatches
+from ..scripts.datasets import MallocBatches, Sharded
+from .conftest import (
+    INSIDE,
+    LocalRay,
+    alive_actors,
+    assert_no_actors_left,
+    inner,
+    run_inside_a_namespace,
+)
 
-INSIDE = os.environ.get("AIOLOAD_RAY_NETNS") == "1"
-REPO = Path(__file__).resolve().parents[2]
-inner = pytest.mark.skipif(not INSIDE, reason="runs inside the private network namespace")
+HERE = Path(__file__).resolve().parent
 
 
 @pytest.mark.skipif(INSIDE, reason="this is the outer test")
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_ray_workers_in_a_loopback_only_namespace() -> None:
-    # A hang guard: the file takes ~140 s on the 2-core machine.
-    run_inside_a_namespace(Path(__file__), within(230))
-
-
-def run_inside_a_namespace(test_file: Path, timeout_s: float) -> None:
-    """Run ``test_file``'s inner tests in a private network namespace whose only interface is
-    loopback (Ray binds to the machine's address otherwise); skip where none can be made."""
-    problem = ray_namespace_problem()
-    if problem is not None:
-        pytest.skip(problem)
-    env = {**os.environ, "AIOLOAD_RAY_NETNS": "1", "RAY_ADDRESS": ""}
-    command = (
-        "ip link set lo up && exec "
-        f"{sys.executable} -m pytest {test_file.relative_to(REPO)} -q -p no:cacheprovider "
-        "-o addopts=-ra"
+    # A hang guard: both files take ~140 s on the 2-core machine.
+    run_inside_a_namespace(
+        [HERE / "test_ray_stateful.py", HERE / "test_ray_workers.py"], within(340)
     )
-    done = subprocess.run(
-        ["unshare", "-n", "sh", "-c", command],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-    print(done.stdout[-6000:], done.stderr[-3000:])
-    assert done.returncode == 0, done.stdout[-6000:]
-    assert " passed" in done.stdout and " failed" not in done.stdout
-
-
-# -- inside the namespace ----------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ray_session() -> Iterator[Any]:
-    import ray
-
-    # A short temp dir: Ray's AF_UNIX socket paths must stay under 107 bytes.
-    temp_dir = tempfile.mkdtemp(prefix="aioray-", dir="/tmp")
-    ray.init(
-        num_cpus=4,
-        _temp_dir=temp_dir,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-    )
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-class _Actor:
-    def __init__(self, info: dict[str, Any]) -> None:
-        self.actor_id = info["ActorID"]
-        self.pid = int(info["Pid"])
-        self.node_id = info["Address"]["NodeID"]
-
-
-def _alive_actors() -> list[_Actor]:
-    """Ray's own record (the GCS's actor table; the state API needs the dashboard)."""
-    import ray
-
-    table = ray._private.state.actors()
-    return [_Actor(info) for info in table.values() if info["State"] == "ALIVE"]
-
-
-@pytest.fixture
-def ray_workers(ray_session: Any) -> Iterator[aioload.RayWorkers]:
-    """RayWorkers for one test; afterwards, no actor of ours is left alive."""
-    yield aioload.RayWorkers(num_cpus=1)
-    gc.collect()
-    deadline = time.monotonic() + within(10)
-    while _alive_actors() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _alive_actors() == [], "actors left behind"
 
 
 class Numbers(datasets.Numbers):
@@ -126,16 +53,6 @@ class Numbers(datasets.Numbers):
         info = torch.utils.data.get_worker_info()
         sample[1] = -1 if info is None else info.id
         return sample
-
-
-class Shards(IterableDataset[int]):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __iter__(self) -> Iterator[int]:
-        info = torch.utils.data.get_worker_info()
-        wid, count = (0, 1) if info is None else (info.id, info.num_workers)
-        return iter(range(wid, self.n, count))
 
 
 class FailsAt(Numbers):
@@ -167,8 +84,8 @@ def test_same_batches_as_local_workers(ray_workers: aioload.RayWorkers) -> None:
 
 @inner
 def test_iterable_dataset_shards_by_worker_info(ray_workers: aioload.RayWorkers) -> None:
-    loader = aioload.DataLoader(Shards(23), batch_size=4, num_workers=2, workers=ray_workers)
-    local = aioload.DataLoader(Shards(23), batch_size=4, num_workers=2)
+    loader = aioload.DataLoader(Sharded(23), batch_size=4, num_workers=2, workers=ray_workers)
+    local = aioload.DataLoader(Sharded(23), batch_size=4, num_workers=2)
     got = [int(i) for b in loader for i in b]
     assert sorted(got) == list(range(23))
     assert got == [int(i) for b in local for i in b]
@@ -215,17 +132,19 @@ def test_resume_across_topologies(ray_workers: aioload.RayWorkers) -> None:
         )
 
     whole = [b[:, 0].tolist() for b in loader(None)]
-    on_ray = loader(ray_workers)
-    it = iter(on_ray)
-    head = [next(it)[:, 0].tolist() for _ in range(4)]
-    state = on_ray.state_dict()
-    del it
+
+    def take(loader: aioload.DataLoader[Any], n: int) -> tuple[list[Any], dict[str, Any]]:
+        """The first ``n`` batches of a pass, and the state after them (the pass dropped)."""
+        it = iter(loader)
+        rows = [next(it)[:, 0].tolist() for _ in range(n)]
+        state = loader.state_dict()
+        del it
+        return rows, state
+
+    head, state = take(loader(ray_workers), 4)
     local = loader(None)
     local.load_state_dict(state)
-    it2 = iter(local)
-    middle = [next(it2)[:, 0].tolist() for _ in range(3)]
-    state2 = local.state_dict()
-    del it2
+    middle, state2 = take(local, 3)
     back = loader(ray_workers)
     back.load_state_dict(state2)
     rest = [b[:, 0].tolist() for b in back]
@@ -238,10 +157,10 @@ def test_persistent_workers_keep_their_actors(ray_workers: aioload.RayWorkers) -
         Numbers(), batch_size=4, num_workers=2, workers=ray_workers, persistent_workers=True
     )
     first = [int(i) for b in loader for i in b[:, 0]]
-    actors = {a.actor_id for a in _alive_actors()}
+    actors = {a.actor_id for a in alive_actors()}
     second = [int(i) for b in loader for i in b[:, 0]]
     assert first == second == list(range(40))
-    assert {a.actor_id for a in _alive_actors()} == actors and len(actors) == 2
+    assert {a.actor_id for a in alive_actors()} == actors and len(actors) == 2
     loader.shutdown()
 
 
@@ -269,7 +188,7 @@ def test_killed_actors_are_replaced_and_every_index_arrives_once(
         for k, batch in enumerate(loader):
             got.extend(int(i) for i in batch[:, 0])
             if k % 5 == 2 and len(killed) < kills_wanted:  # 60 batches, a kill every 5
-                alive = sorted(_alive_actors(), key=lambda a: a.actor_id)
+                alive = sorted(alive_actors(), key=lambda a: a.actor_id)
                 pid = alive[len(killed) % len(alive)].pid
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
@@ -291,7 +210,7 @@ def test_a_killed_actor_without_restarts_names_worker_node_and_indices(
     it = iter(loader)
     next(it)
     started = time.monotonic()
-    for actor in _alive_actors():
+    for actor in alive_actors():
         os.kill(actor.pid, signal.SIGKILL)
     with pytest.raises(aioload.WorkerDiedError) as info:
         for _ in it:
@@ -384,15 +303,7 @@ def test_seed_per_sample_batches_are_byte_identical_to_local_workers(
     ray_workers: aioload.RayWorkers,
 ) -> None:
     def batches(workers: aioload.RayWorkers | None, num_workers: int) -> list[bytes]:
-        loader = aioload.DataLoader(
-            Noisy(),
-            batch_size=4,
-            num_workers=num_workers,
-            shuffle=True,
-            generator=torch.Generator().manual_seed(7),
-            seed_per_sample=True,
-            workers=workers,
-        )
+        loader = seeded_per_sample(Noisy(), num_workers, shuffle=True, workers=workers)
         return [b.numpy().tobytes() for b in loader]
 
     local = batches(None, 2)
@@ -402,15 +313,26 @@ def test_seed_per_sample_batches_are_byte_identical_to_local_workers(
     assert len(set(local)) == len(local)
 
 
-# Last in the module: it ends the module's one-node session to start a two-node cluster.
+@inner
+def test_actors_keep_freed_samples_for_the_next_batch(ray_workers: aioload.RayWorkers) -> None:
+    # Without the heap policy (glibc's defaults: the 64 blocks coalesce at the top of the heap
+    # and are given back) every sample faults its 2,400 pages in again.
+    loader = aioload.DataLoader(MallocBatches(24), batch_size=2, num_workers=2, workers=ray_workers)
+    faults = torch.cat(list(loader)).tolist()
+    pages = 64 * 150 * 1024 // 4096
+    assert max(faults[8:]) < pages // 4, faults
+
+
+# Last in the run (test_ray_stateful.py runs first): it ends the run's one-node Ray to start a
+# two-node cluster (a test after it would start the one-node Ray again: seconds).
 @inner
 @pytest.mark.timeout(120)
 def test_two_node_cluster_loses_a_node_mid_epoch(
-    ray_session: Any, monkeypatch: pytest.MonkeyPatch
+    ray_session: LocalRay, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from ray.cluster_utils import Cluster
 
-    ray = ray_session
+    ray = ray_session.ray
     ray.shutdown()
     temp_dir = tempfile.mkdtemp(prefix="aiocl-", dir="/tmp")
     # Cluster records its address in $RAY_TMPDIR/ray/ray_current_cluster: keep that private.
@@ -449,7 +371,7 @@ def test_two_node_cluster_loses_a_node_mid_epoch(
             for k, batch in enumerate(loader):
                 got.extend(int(i) for i in batch[:, 0])
                 if k == 3:
-                    nodes = {a.node_id for a in _alive_actors()}
+                    nodes = {a.node_id for a in alive_actors()}
                     assert nodes == {cluster.head_node.node_id, doomed.node_id}, "one per node"
                     cluster.remove_node(doomed)
                     # The autoscaler's part: a node with a free CPU for the replacement.
@@ -457,22 +379,8 @@ def test_two_node_cluster_loses_a_node_mid_epoch(
         assert got == list(range(60)), "every index exactly once, in order"
         assert len([w for w in caught if "replaced it with a new worker" in str(w.message)]) == 1
         del loader
-        gc.collect()
-        deadline = time.monotonic() + within(10)
-        while _alive_actors() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _alive_actors() == [], "actors left behind"
+        assert_no_actors_left()
     finally:
         ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-@inner
-def test_actors_keep_freed_samples_for_the_next_batch(ray_workers: aioload.RayWorkers) -> None:
-    # Without the heap policy (glibc's defaults: the 64 blocks coalesce at the top of the heap
-    # and are given back) every sample faults its 2,400 pages in again.
-    loader = aioload.DataLoader(MallocBatches(24), batch_size=2, num_workers=2, workers=ray_workers)
-    faults = torch.cat(list(loader)).tolist()
-    pages = 64 * 150 * 1024 // 4096
-    assert max(faults[8:]) < pages // 4, faults

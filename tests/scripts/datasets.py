@@ -11,12 +11,12 @@ import gc
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 
 class FnDataset(Dataset[Any]):
@@ -302,3 +302,18 @@ class KillsItselfOnce(Dataset[int]):
                 pass
             os.kill(os.getpid(), signal.SIGKILL)
         return i
+
+
+class Sharded(IterableDataset[int]):
+    """Splits ``range(n)`` between workers with ``get_worker_info()``, as torch documents:
+    worker ``k`` of ``m`` yields ``k, k + m, ...`` (uneven shards where ``m`` does not divide
+    ``n``); without workers, all of it."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        info = torch.utils.data.get_worker_info()
+        if info is None:
+            return iter(range(self.n))
+        return iter(range(info.id, self.n, info.num_workers))
