@@ -7,8 +7,8 @@ batch 256, >= 4 s of steady state) under ``py-spy record`` from ``--repo`` (defa
 checkout; point it at another checkout to profile an older version of the code), main thread
 only. Each sample is put in one step by the innermost frame that names one (``_STEPS``, then
 ``_REST``); samples whose innermost frame is a blocking ``select`` (or the pool's
-``_poll_blocking``: py-spy shows no C frames, so the blocking call needs a Python frame of its
-own) are the parent asleep, not CPU, and are left out.
+``_aio.waiting._poll_blocking``: py-spy shows no C frames, so the blocking call needs a Python
+frame of its own) are the parent asleep, not CPU, and are left out.
 Each step's share of the remaining samples is scaled to the run's measured parent CPU per batch
 (``time.process_time()`` from the first to the last batch), and the medians over ``--rounds``
 fresh runs are printed as a Markdown table (docs/benchmark-notes.md, "Where the parent's time
@@ -41,7 +41,7 @@ _STEPS: list[tuple[str, tuple[str, ...]]] = [
     ),
     (
         "wait for a worker (everything around the blocking select)",
-        ("wait_blocking", "_before_wait", "WorkerPool.wait", "_sync.py", "run_until_complete"),
+        ("wait_blocking", "Waiter.", "waitable", "sync_loop.py", "run_until_complete"),
     ),
 ]
 # Samples no step above claims, by their innermost frame that names one of these. The bench's
