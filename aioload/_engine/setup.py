@@ -261,16 +261,17 @@ def shared_shuffle_seed(generator: torch.Generator | None) -> int:
     return int(shared[0])
 
 
+def _is_int_at_least(value: Any, low: int) -> bool:
+    """An integer (not a bool, which Python counts as one) of at least ``low``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
 def check_worker_concurrency(
     worker_concurrency: int, dataset: Any, dataset_kind: int, worker_init_fn: Any
 ) -> int:
     """Validate ``worker_concurrency`` (and an async ``worker_init_fn``) against the dataset:
     concurrency comes from an async dataset's coroutines, which a sync dataset has none of."""
-    if (
-        not isinstance(worker_concurrency, int)
-        or isinstance(worker_concurrency, bool)
-        or worker_concurrency < 1
-    ):
+    if not _is_int_at_least(worker_concurrency, 1):
         raise ValueError(
             "worker_concurrency option should be a positive integer, but got "
             f"worker_concurrency={worker_concurrency!r}"
@@ -325,11 +326,7 @@ def check_sample_errors(on_sample_error: Any, max_skipped: Any, sample_retries: 
                 "max_skipped caps skipped samples, but on_sample_error='raise' skips none: "
                 "pass on_sample_error='skip' (or a callable) with it"
             )
-    if (
-        not isinstance(sample_retries, int)
-        or isinstance(sample_retries, bool)
-        or sample_retries < 0
-    ):
+    if not _is_int_at_least(sample_retries, 0):
         raise ValueError(
             "sample_retries option should be a non-negative integer, but got "
             f"sample_retries={sample_retries!r}"
