@@ -32,12 +32,13 @@ from .._wire.messages import (
     Batch,
     Event,
     Failed,
-    Outcome,
     PassPlan,
     Produced,
     StreamEnded,
     Task,
     WorkerLost,
+    failed_in_setup,
+    outcome_of,
 )
 from ..errors import WorkerDiedError
 from .base import OUT_OF_PROCESS, BackendTraits, Waitable, WorkerBackend, WorkerSpec
@@ -260,22 +261,16 @@ class _Slot:
         forget = getattr(step.fetcher, "forget", None)
         if forget is not None:
             forget()
-        outcome: Outcome
-        if isinstance(result, Produced):
-            outcome = Batch(result.data)
-        elif isinstance(result, StreamEnded):
-            outcome = result
-        else:
-            if getattr(result.error, "from_init", False):
-                backend.retired = True
-            outcome = Failed(result.error)
-        return Answer(
+        answer = Answer(
             self.worker_id,
             task.task_id,
-            outcome,
+            outcome_of(result, _produced_data),
             stream,
             time.perf_counter() - started,
         )
+        if failed_in_setup(answer):
+            backend.retired = True  # as a pool is
+        return answer
 
 
 def _conforms(backend: FakeBackend) -> WorkerBackend:
@@ -342,3 +337,8 @@ class FakeWorkers:
         )
         self.made.append(backend)
         return backend
+
+
+def _produced_data(result: Produced) -> Any:
+    # A step in the calling process hands its batch over as it is: no slab, no pickle.
+    return result.data
