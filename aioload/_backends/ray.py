@@ -120,19 +120,12 @@ class _AsyncActorImpl(_ActorImpl):
     async def _setup(self) -> None:
         import asyncio
 
-        from .._worker.async_fetch import has_async_context
-
         if self.turns is not None:
             return
         self.turns = asyncio.Lock()
         step = self.step
         await step.finish_async_init()
-        if step.init_error is None and has_async_context(step.dataset):
-            try:
-                await step.dataset.__aenter__()
-                self.entered = True
-            except Exception:
-                step.setup_failed()
+        self.entered = await step.enter_async_context()
 
     async def reset_async(self, reset: Reset) -> None:
         await self._setup()

@@ -901,11 +901,8 @@ class _ProcessWorker:
             # our socket (a graceful shutdown: every in-flight fetch has been cancelled by
             # then, so nothing uses the resources while they close) or the parent died.
             # Shutdown gives a worker 0.5 s before SIGKILL, which is ample to close a client.
-            if step.init_error is None and has_async_context(step.dataset):
-                try:
-                    await resources.enter_async_context(step.dataset)
-                except Exception:
-                    step.setup_failed()
+            if await step.enter_async_context():
+                resources.push_async_exit(step.dataset)
             try:
                 await self._serve_tasks()
             finally:
