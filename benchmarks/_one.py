@@ -17,6 +17,8 @@ Prints a single JSON object on the last line of stdout.  Timing definitions:
 * A run stops once its steady state has lasted ``--min-seconds`` (mid-epoch: the datasets are
   sized so that one epoch lasts longer); only if an epoch ends sooner is another one run (same
   loader object), and ``epochs`` reports how many.
+* ``worker_cpu_per_item_s``: CPU time of the workers (this process's children, user and
+  system) between the first batch and the end of the steady state, per item received.
 * ``parent_cpu_per_batch_s``: CPU time of this process (all its threads, not the workers)
   between the first and the last batch, per batch: what the loader costs the training process.
 * Loaders: ``torch`` and ``aioload``; the peers ``torchdata`` (``torchdata.nodes``, a
@@ -123,6 +125,10 @@ class Meter:
     checksum: int = 0
     cpu_first: float = 0.0
     cpu_last: float = 0.0
+    # The CPU time of this process's children (the workers) at the first batch and when the
+    # steady state ended; -1 until taken.
+    workers_cpu_first: float = -1.0
+    workers_cpu_last: float = -1.0
     lags: list[float] = field(default_factory=list)
 
     def on_batch(self, batch: object) -> None:
@@ -134,6 +140,7 @@ class Meter:
             self.t_first = now
             self.cpu_first = cpu
             self.first_items = n
+            self.workers_cpu_first = _children_cpu()
         self.t_last = now
         self.cpu_last = cpu
         self.items += n
@@ -144,6 +151,32 @@ class Meter:
 
     def enough(self, min_seconds: float) -> bool:
         return self.batches > 0 and self.t_last - self.t_first >= min_seconds
+
+    def steady_state_over(self) -> None:
+        """Takes the workers' CPU time at the end of the steady state (once: the first end)."""
+        if self.workers_cpu_last < 0:
+            self.workers_cpu_last = _children_cpu()
+
+    def workers_cpu_per_item(self) -> float:
+        """The workers' CPU time per item received in the steady state (all workers together,
+        user and system; nan where there are no workers)."""
+        steady = self.items - self.first_items
+        spent = self.workers_cpu_last - self.workers_cpu_first
+        if steady <= 0 or self.workers_cpu_first < 0 or spent <= 0:
+            return float("nan")
+        return spent / steady
+
+
+def _children_cpu() -> float:
+    """User and system CPU time of this process's live descendants (a loader's workers)."""
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            times = child.cpu_times()
+        except psutil.Error:
+            continue  # gone since it was listed
+        total += times.user + times.system
+    return total
 
 
 @dataclass
@@ -184,9 +217,11 @@ def run_sync(cfg: RunConfig, dataset: object) -> Meter:
             m.on_batch(batch)
             del batch  # drop our reference before asking for the next batch
             if m.enough(cfg.min_seconds):
+                m.steady_state_over()
                 break
         if m.epochs >= cfg.max_epochs or not m.need_more(cfg.min_seconds):
             break
+    m.steady_state_over()
     del loader
     m.t_done = time.perf_counter()
     return m
@@ -225,9 +260,11 @@ async def run_async(cfg: RunConfig, dataset: object) -> Meter:
             m.on_batch(batch)
             del batch
             if m.enough(cfg.min_seconds):
+                m.steady_state_over()
                 break
         if m.epochs >= cfg.max_epochs or not m.need_more(cfg.min_seconds):
             break
+    m.steady_state_over()
     del loader, source
     m.t_done = time.perf_counter()
     stop.set()
@@ -279,6 +316,7 @@ def measure(cfg: RunConfig) -> dict[str, Any]:
         "parent_cpu_per_batch_s": (
             (m.cpu_last - m.cpu_first) / (m.batches - 1) if m.batches > 1 else float("nan")
         ),
+        "worker_cpu_per_item_s": m.workers_cpu_per_item(),
         "ttfb_s": m.t_first - m.t_start,
         "construct_s": m.t_constructed - m.t_start,
         "teardown_s": m.t_done - m.t_last,

@@ -67,14 +67,20 @@ class _Count:
         self.batches = 0
         self.t_first = 0.0
         self.t_last = 0.0
+        # This process's CPU time at its first and its last batch.
+        self.cpu_first = 0.0
+        self.cpu_last = 0.0
 
     def add(self, n: int) -> None:
         now = time.perf_counter()
+        cpu = time.process_time()
         if self.batches == 0:
             self.t_first = now
+            self.cpu_first = cpu
         else:
             self.items += n
         self.t_last = now
+        self.cpu_last = cpu
         self.batches += 1
 
     def enough(self, min_seconds: float) -> bool:
@@ -147,7 +153,9 @@ def _floor_process(cfg: Any, worker_id: int, conn: multiprocessing.connection.Co
             runner.run(_async_floor(dataset, cfg, worker_id, count))
     else:
         _sync_floor(dataset, cfg, worker_id, count)
-    conn.send((count.items, count.t_last - count.t_first, count.batches))
+    conn.send(
+        (count.items, count.t_last - count.t_first, count.batches, count.cpu_last - count.cpu_first)
+    )
     conn.close()
 
 
@@ -168,6 +176,7 @@ def measure_floor(cfg: Any) -> dict[str, Any]:
         proc.join()
     items = sum(r[0] for r in results)
     rate = sum(r[0] / r[1] for r in results if r[1] > 0)
+    cpu = sum(r[3] for r in results)
     return {
         "items": items,
         "batches": sum(r[2] for r in results),
@@ -176,6 +185,8 @@ def measure_floor(cfg: Any) -> dict[str, Any]:
         "steady_s": min((r[1] for r in results), default=0.0),
         "items_per_s": rate if rate > 0 else float("nan"),
         "parent_cpu_per_batch_s": float("nan"),
+        # The floor's processes stand where a loader's workers do.
+        "worker_cpu_per_item_s": cpu / items if items > 0 and cpu > 0 else float("nan"),
         "ttfb_s": float("nan"),
         "construct_s": 0.0,
         "teardown_s": 0.0,

@@ -216,3 +216,18 @@ def test_machine_profile_sorts_perf_rows_into_categories() -> None:
     assert shares[machine_profile.OTHER] == pytest.approx(0.50)
     # Every row counted once, the header lines none.
     assert sum(shares.values()) == pytest.approx(72.64)
+
+
+def test_the_floor_models_inputs_are_cpu_times_of_the_workers(no_leaks: Iterator[None]) -> None:
+    # The model of the floor share (benchmarks.auto --model) takes a worker's cost per sample
+    # over the floor as a difference of CPU times: both runs must report theirs.
+    from benchmarks.auto import _one_run
+
+    floor = _one_run("tiny", "floor", 1, 0.2)
+    one = _one_run("tiny", "aioload", 1, 0.2)
+    for result in (floor, one):
+        per_item = result["worker_cpu_per_item_s"]
+        # A sample costs more than nothing and less than a millisecond of CPU on any machine.
+        assert 0 < per_item < 1e-3, result
+    assert math.isnan(floor["parent_cpu_per_batch_s"])
+    assert one["parent_cpu_per_batch_s"] > 0
