@@ -14,9 +14,9 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
-from .._wire.messages import AllSkipped, Answer, Outcome, StreamEnded
+from .._wire.messages import AllSkipped, Answer, Batch, Outcome, StreamEnded
 from .._worker.fetch import take_skips
 from .resume import PassProgress, StreamPoint
 
@@ -27,28 +27,24 @@ if TYPE_CHECKING:
 __all__ = ["Ledger", "Sent"]
 
 
-class Sent(NamedTuple):
-    """A task sent and not yet answered."""
+class Sent:
+    """A task sent and not yet delivered: one record, made as it is sent, in ``inflight``
+    until it is answered and among the assigned tasks until it is delivered (one object
+    for both, and no tuple rebuilt when its answer comes: this runs for every batch)."""
 
-    worker_id: int
-    indices: Any
+    __slots__ = ("indices", "point", "position", "worker_id")
+
+    def __init__(self, worker_id: int, indices: Any, position: int) -> None:
+        self.worker_id = worker_id
+        self.indices = indices
+        self.position = position  # in sampler order
+        # Where the worker's IterableDataset stream stood after it, once answered.
+        self.point: StreamPoint | None = None
 
 
-class _Assigned(NamedTuple):
-    """A task sent and not yet yielded."""
-
-    worker_id: int
-    position: int  # in sampler order
-    # Where the worker's IterableDataset stream stood after it, once answered.
-    point: StreamPoint | None = None
-
-
-class _Done(NamedTuple):
-    """An answered task waiting for its turn; its sample count travels with it."""
-
-    worker_id: int
-    outcome: Outcome
-    samples: int
+# An answered task waiting for its turn: (worker id, outcome, samples). A plain tuple, made
+# for every batch.
+_Done = tuple[int, Outcome, int]
 
 
 class Ledger:
@@ -75,8 +71,10 @@ class Ledger:
         self._over_cap = over_cap
         self._send_idx = 0  # id of the next task to send
         self.rcvd_idx = 0  # id of the next task to yield (in order)
+        # Sent, not yet answered.
         self.inflight: dict[int, Sent] = {}
-        self._assigned: dict[int, _Assigned] = {}
+        # Sent, not yet delivered (the same records).
+        self._assigned: dict[int, Sent] = {}
         # Tasks handed to the pin stage, in order (it keeps order), with their sample counts.
         self._staged: deque[tuple[int, int]] = deque()
         # Answered, waiting for their turn (in order).
@@ -108,7 +106,7 @@ class Ledger:
 
     def waiting(self) -> int:
         """Answered tasks not yet delivered, the pin stage's included."""
-        return self.answered_waiting() + len(self._staged)
+        return len(self._reorder_buffer) + len(self._completed) + len(self._staged)
 
     def held_by(self, worker_id: int) -> list[int]:
         """The unanswered tasks of ``worker_id``, oldest first."""
@@ -122,7 +120,12 @@ class Ledger:
         return task_id, self.inflight[task_id]
 
     def awaited(self) -> int | None:
-        """The worker holding the next task to yield in order, if it is unanswered."""
+        """The worker holding the next task to yield in order, if it is unanswered: what a wait
+        of a consumer in order (with no pin stage) is for (``waitable``'s ``awaited``). Its
+        sibling finishes its own batch about as often first as not, and a wait that any answer
+        ends woke the parent for it, to find the batch it needs still missing and sleep again:
+        0.47 wake-ups per tiny batch out of 0.97, each a context switch that also evicts the
+        workers' caches on a machine with fewer cores than processes."""
         sent = self.inflight.get(self.rcvd_idx)
         return sent.worker_id if sent is not None else None
 
@@ -132,8 +135,7 @@ class Ledger:
         """A task for the batch at sampler ``position`` goes to ``worker_id``; its task id."""
         task_id = self._send_idx
         self._send_idx += 1
-        self.inflight[task_id] = Sent(worker_id, indices)
-        self._assigned[task_id] = _Assigned(worker_id, position)
+        self.inflight[task_id] = self._assigned[task_id] = Sent(worker_id, indices, position)
         self.per_worker[worker_id] += 1
         self.unyielded += 1
         return task_id
@@ -159,7 +161,7 @@ class Ledger:
             # Where the worker's dataset stands after the task: recorded when it is delivered.
             point = StreamPoint.of(stream)
             self.answered[worker_id] = point
-            self._assigned[task_id] = self._assigned[task_id]._replace(point=point)
+            sent.point = point
         if isinstance(outcome, StreamEnded):
             # This worker's IterableDataset copy has run dry for this epoch.
             self.active[worker_id] = False
@@ -168,7 +170,7 @@ class Ledger:
             # collate whose result has no batch dimension).
             samples = stream.samples_seen - self._samples_seen[worker_id] - len(skipped)
             self._samples_seen[worker_id] = stream.samples_seen
-        done = _Done(worker_id, outcome, samples)
+        done = (worker_id, outcome, samples)
         if self._in_order:
             self._reorder_buffer[task_id] = done
         else:
@@ -190,18 +192,21 @@ class Ledger:
                     return None
                 task_id, done = self._completed.popleft()
             self.unyielded -= 1
-            if isinstance(done.outcome, StreamEnded):
-                if through_stage:
-                    return task_id, done.outcome, 0
-                self.end_reached(task_id)
-                continue
-            self.per_worker[done.worker_id] -= 1
-            if isinstance(done.outcome, AllSkipped) and not through_stage:
-                # Nothing to yield, but delivered here, in its turn (through the stage, which
-                # keeps the order, it is recorded when the stage hands it back).
-                self.record_yield(task_id)
-                continue
-            return task_id, done.outcome, done.samples
+            worker_id, outcome, samples = done
+            if type(outcome) is not Batch:  # (the common case, tested without a call)
+                if isinstance(outcome, StreamEnded):
+                    if through_stage:
+                        return task_id, outcome, 0
+                    self.end_reached(task_id)
+                    continue
+                if isinstance(outcome, AllSkipped) and not through_stage:
+                    # Nothing to yield, but delivered here, in its turn (through the stage,
+                    # which keeps the order, it is recorded when the stage hands it back).
+                    self.per_worker[worker_id] -= 1
+                    self.record_yield(task_id)
+                    continue
+            self.per_worker[worker_id] -= 1
+            return task_id, outcome, samples
 
     def through_stage(self, stage: PinStage) -> tuple[int, Outcome, int] | None:
         """``pop_ready`` through the pin stage: what is ready goes to the stage, in order, as
@@ -255,8 +260,9 @@ class Ledger:
         if assigned.point is not None:
             progress.streams[assigned.worker_id] = assigned.point
         # (Map-style too: a resumed pass gives the next batch to the worker whose dataset
-        # state would have fetched it.)
-        self._note_next_worker(task_id)
+        # state would have fetched it.) ``_note_next_worker``, written out: once a batch.
+        following = self._assigned.get(task_id + 1)
+        progress.next_worker = following.worker_id if following else self.next_worker
         skipped = self._skips.pop(task_id, None)
         if skipped:
             # Recorded with the batch's position, so a checkpoint has both or neither.

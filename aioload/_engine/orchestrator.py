@@ -115,33 +115,6 @@ class PassResources:
                 each.close()
 
 
-class _Look:
-    """Where one ``next`` stands between its waits: the deadline its next wait is bounded by,
-    and whether its next step takes in answers."""
-
-    __slots__ = ("deadline", "intake")
-
-    def __init__(self, deadline: float) -> None:
-        self.deadline = deadline
-        self.intake = False  # see Orchestrator.step: the first look takes in nothing new
-
-
-class _Busy:
-    """Held while a ``next`` waits (or starts the backend): a second consumer meanwhile is
-    refused, rather than interleaving its steps with the waiting one's."""
-
-    __slots__ = ("held",)
-
-    def __init__(self) -> None:
-        self.held = False
-
-    def __enter__(self) -> None:
-        self.held = True
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.held = False
-
-
 class Orchestrator:
     def __init__(
         self,
@@ -192,16 +165,20 @@ class Orchestrator:
         self._fatal: BaseException | None = None
         self._finished = False
         self._closed = False
-        self._busy = _Busy()
+        # Set while a ``next`` waits (or starts the backend): a second consumer meanwhile is
+        # refused, rather than interleaving its steps with the waiting one's.
+        self._busy = False
         # Whether stats name every worker (see _name_workers); the calling process is unnamed.
         self._named = not setup.traits.runs_ahead
+        self._runs_ahead = setup.traits.runs_ahead
+        self._iterable_len = setup.iterable_len
 
     # -- the one entry point -----------------------------------------------------------------
 
     def _over(self) -> bool:
         """Whether the pass is over; raises if it cannot go on (a fatal error, or a second
         consumer while one is waiting)."""
-        if self._busy.held:
+        if self._busy:
             raise RuntimeError("aioload: this iterator is already waiting for a batch")
         if self._fatal is not None:
             raise self._fatal
@@ -222,14 +199,20 @@ class Orchestrator:
         each wait found nothing. (With a pin stage, whose own thread hands batches back, every
         step takes in.)
         """
-        if self._over():
+        # (Once or twice a batch: each call below is made only where it has something to do.)
+        if (self._busy or self._fatal is not None or self._finished or self._closed) and (
+            self._over()
+        ):
             return END
-        if self._backend is _NOT_STARTED:
+        backend = self._backend
+        if backend is _NOT_STARTED:
             return PENDING
-        self._dispatch()
-        stage, ledger = self._stage, self._ledger
+        ledger = self._ledger
+        if not self._sampler_done and ledger.unyielded < self._capacity:
+            self._dispatch()
+        stage = self._stage
         if intake or stage is not None:
-            for event in self._backend.poll():
+            for event in backend.poll():
                 if isinstance(event, Answer):
                     ledger.accept(event)
                 else:
@@ -258,18 +241,33 @@ class Orchestrator:
         synchronous; without this, a consumer that always finds a batch waiting would never
         let the loop's other tasks (heartbeats, RPCs, deadlines) run. The checkpoint comes
         before the batch is taken, so a cancellation delivered here loses no batch.
+
+        Its loop: a ``step`` (the first takes in nothing new), the deadline, a wait, and the
+        workers named once they have started; ``next_blocking``'s is the same, written out.
         """
         await _checkpoint()
         if self._over():
             return END
         if self._backend is _NOT_STARTED:
-            with self._busy:
+            self._busy = True
+            try:
                 await self._start()
+            finally:
+                self._busy = False
             if self._closed:
                 return END
-        look = _Look(self._deadline())
-        while (result := self._look(look)) is PENDING:
-            await self._wait(look.deadline)
+        timeout = self._timeout
+        deadline = time.monotonic() + timeout if timeout > 0 else math.inf
+        intake = False
+        while (result := self.step(intake)) is PENDING:
+            if deadline != math.inf and time.monotonic() >= deadline:
+                deadline = self._overdue(deadline, intake)
+                intake = True
+                continue
+            await self._wait(deadline)
+            intake = True
+            if not self._named:
+                self._name_workers()
         return result
 
     def next_blocking(self) -> Any:
@@ -292,81 +290,68 @@ class Orchestrator:
             self._adopt(self._make_owned_backend())
             if self._closed:
                 return END
-        look = _Look(self._deadline())
-        while (result := self._look(look)) is PENDING:
-            if not self._wait_blocking(look.deadline):
+        timeout = self._timeout
+        deadline = time.monotonic() + timeout if timeout > 0 else math.inf
+        intake = False
+        while (result := self.step(intake)) is PENDING:
+            if deadline != math.inf and time.monotonic() >= deadline:
+                deadline = self._overdue(deadline, intake)
+                intake = True
+                continue
+            if not self._wait_blocking(deadline):
                 return PENDING
+            intake = True
+            if not self._named:
+                self._name_workers()
         return result
 
-    def _look(self, look: _Look) -> Any:
-        """One turn of ``next``'s and ``next_blocking``'s loop, before its wait: the step, with
-        the deadline handled (``_step_before``), and the workers named once they have started.
-        The first look of a ``next`` takes in nothing new (see ``step``); a look after a wait
-        does."""
-        if look.intake and not self._named:
-            self._name_workers()
-        result, look.deadline = self._step_before(look.deadline, look.intake)
-        look.intake = True
-        return result
+    def _overdue(self, deadline: float, intake: bool) -> float:
+        """A step found the batch missing at ``deadline``: the deadline of the next step. One
+        that took in nothing gets another look first. Then, with healing on, the worker holding
+        the oldest task is stopped (its loss is handled as any other) and the wait starts over;
+        with none, the timeout error is raised."""
+        if not intake:
+            return deadline
+        oldest = self._ledger.oldest()
+        if oldest is None or self._restarts_left <= 0:
+            # Stuck in a sample: this pass may go on, but no other runs on these workers.
+            self._backend.retire()
+            raise _timeout_error(self._timeout, self._ledger, self._backend)
+        self._backend.abandon(oldest[1].worker_id)
+        return time.monotonic() + self._timeout
 
     async def _wait(self, deadline: float) -> None:
         """Sleep until the backend may have something, the pin stage has a batch, or the
         deadline; or, where the answer is work the caller does, do it."""
-        waitable = self._backend.waitable(self._awaited())
-        with self._busy:
+        # In order, with no pin stage, the wait is for the next task's worker (Ledger.awaited).
+        awaited = self._ledger.awaited() if self._in_order and self._stage is None else None
+        waitable = self._backend.waitable(awaited)
+        left = deadline - time.monotonic() if deadline != math.inf else math.inf
+        self._busy = True
+        try:
             if waitable.work is not None:
                 await waitable.work.work()
-            elif (timeout := min(waitable.budget, deadline - time.monotonic())) > 0:
+            elif (timeout := min(waitable.budget, left)) > 0:
                 await self._waiter.wait(waitable.descriptor, timeout)
+        finally:
+            self._busy = False
 
     def _wait_blocking(self, deadline: float) -> bool:
         """``_wait`` in the calling thread; False, having waited for nothing, where it needs
         an event loop."""
-        waitable = self._backend.waitable(self._awaited())
-        with self._busy:
+        # In order, with no pin stage, the wait is for the next task's worker (Ledger.awaited).
+        awaited = self._ledger.awaited() if self._in_order and self._stage is None else None
+        waitable = self._backend.waitable(awaited)
+        left = deadline - time.monotonic() if deadline != math.inf else math.inf
+        self._busy = True
+        try:
             if waitable.work is not None:
                 return waitable.work.work_blocking()
-            if (timeout := min(waitable.budget, deadline - time.monotonic())) > 0:
+            if (timeout := min(waitable.budget, left)) > 0:
                 self._waiter.wait_blocking(waitable.descriptor, timeout)
+        finally:
+            self._busy = False
         return True
-
-    def _deadline(self) -> float:
-        return time.monotonic() + self._timeout if self._timeout > 0 else math.inf
-
-    def _awaited(self) -> int | None:
-        """The worker holding the batch the consumer needs next, if it is known to be one
-        (``waitable``'s ``awaited``): in order, with no pin stage, the next
-        task's worker. Its sibling finishes its own batch about as often first as not, and a
-        wait that any answer ends woke the parent for it, to find the batch it needs still
-        missing and sleep again: 0.47 wake-ups per tiny batch out of 0.97, each a context
-        switch that also evicts the workers' caches on a machine with fewer cores than
-        processes."""
-        if not self._in_order or self._stage is not None:
-            return None
-        return self._ledger.awaited()
-
-    def _step_before(self, deadline: float, intake: bool = True) -> tuple[Any, float]:
-        """``step(intake)``, handling a passed ``deadline`` (``timeout``): with healing on, the
-        worker holding the oldest task is stopped and the step runs again with a fresh
-        deadline; otherwise the timeout error is raised. Returns the step's result and the
-        deadline the next wait is bounded by."""
-        while True:
-            result = self.step(intake)
-            if result is not PENDING or time.monotonic() < deadline:
-                return result, deadline
-            if not intake:
-                # Nothing was taken in: an answer may be waiting. Look before blaming a worker.
-                intake = True
-                continue
-            oldest = self._ledger.oldest()
-            if oldest is None or self._restarts_left <= 0:
-                # Stuck in a sample: this pass may go on, but no other runs on these workers.
-                self._backend.retire()
-                raise self._timeout_error()
-            # A hung worker, and healing is on: stop it; its loss is handled as any other
-            # (replaced, its tasks sent again) and the wait starts over.
-            self._backend.abandon(oldest[1].worker_id)
-            deadline = time.monotonic() + self._timeout
 
     def _make_owned_backend(self) -> WorkerBackend:
         # The pass takes ownership in the thread that makes the pool, not after the await: a
@@ -443,13 +428,14 @@ class Orchestrator:
         # torch's rule: the next active worker in the cycle; with in_order=False also one that
         # holds fewer than its share of the prefetch budget.
         # (Among the first ``_slots`` workers: num_workers="auto" may use fewer than it has.)
-        slots, ledger = self._slots, self._ledger
-        active = sum(ledger.active[:slots])
+        slots, ledger, in_order = self._slots, self._ledger, self._in_order
+        # (The share needs the count of active workers; in order it is not asked for.)
+        active = 0 if in_order else sum(ledger.active[:slots])
         for _ in range(slots):
             worker_id = ledger.next_worker if ledger.next_worker < slots else 0
             ledger.next_worker = (worker_id + 1) % slots
             if ledger.active[worker_id] and (
-                self._in_order or ledger.per_worker[worker_id] < self._capacity // active
+                in_order or ledger.per_worker[worker_id] < self._capacity // active
             ):
                 return worker_id
         return None
@@ -488,7 +474,7 @@ class Orchestrator:
             f"(restart {limit - self._restarts_left} of max_worker_restarts={limit}) and is "
             "sending its unfinished tasks again.",
             RuntimeWarning,
-            stacklevel=5,  # next or next_blocking (under _look, _step_before and step)
+            stacklevel=3,  # next or next_blocking (under step)
         )
         self.stats.restarted(lost.worker_id)
         self._backend.restart(lost.worker_id, plan)
@@ -505,16 +491,17 @@ class Orchestrator:
     def _deliver(self, task_id: int, outcome: Outcome, samples: int) -> Any:
         # Recorded before an error is raised too: a batch whose error reached the consumer
         # has been delivered, and a resumed pass does not fetch it again.
-        self._ledger.record_yield(task_id)
-        if isinstance(outcome, Failed):
-            # The epoch goes on after this if the caller catches it, as in torch.
-            outcome.error.reraise()
-        if isinstance(outcome, Raised):
-            raise outcome.error
-        assert isinstance(outcome, Batch)
+        ledger = self._ledger
+        ledger.record_yield(task_id)
+        if type(outcome) is not Batch:  # (the common case, tested without a call)
+            if isinstance(outcome, Failed):
+                # The epoch goes on after this if the caller catches it, as in torch.
+                outcome.error.reraise()
+            if isinstance(outcome, Raised):
+                raise outcome.error
+            assert isinstance(outcome, Batch)
         value = outcome.value
         self._num_yielded += 1
-        ledger = self._ledger
         self.stats.yielded(value, samples, in_flight=len(ledger.inflight), waiting=ledger.waiting())
         # torch refills the prefetch window as it hands a batch over (``_process_data`` calls
         # ``_try_put_index``), not at the next request. Doing the same keeps the number of
@@ -528,25 +515,14 @@ class Orchestrator:
             value, len(ledger.inflight), ledger.answered_waiting()
         ):
             self._apply_tuning()
-        if self._setup.traits.runs_ahead:
+        if self._runs_ahead and not self._sampler_done and ledger.unyielded < self._capacity:
             self._dispatch()
-        iterable_len = self._setup.iterable_len
+        iterable_len = self._iterable_len
         if iterable_len is not None and self._num_yielded > iterable_len:
             _warn_past_length(self._setup, self._num_yielded)
         return value
 
     # -- failures ----------------------------------------------------------------------------
-
-    def _timeout_error(self) -> DataLoaderTimeoutError:
-        message = f"DataLoader timed out after {self._timeout} seconds"
-        oldest = self._ledger.oldest()
-        if oldest is not None:
-            waiting, (worker_id, indices) = oldest
-            message += (
-                f" (waiting for batch {waiting} from DataLoader worker {worker_id}, "
-                f"{self._backend.describe(worker_id)}, holding indices {_short(indices)})"
-            )
-        return DataLoaderTimeoutError(message, timeout=self._timeout)
 
     def _fail(self, error: BaseException) -> NoReturn:
         # A lost worker ends the pass: its tasks cannot be answered. Shut the backend down
@@ -590,28 +566,26 @@ class Orchestrator:
         await run_off_loop(self.close)
 
 
-async def _checkpoint() -> None:
+@types.coroutine
+def _checkpoint() -> Generator[Any, Any, None]:
     """Yield to the running loop once, raising if the task has been cancelled. Under asyncio
     (and uvloop) that is what ``sleep(0)`` does (and anyio's own checkpoint there), without
     anyio's backend lookup (about 4 us a call); under trio, anyio's checkpoint, which is
     trio's.
 
+    A generator-based coroutine, not ``async def``: under asyncio its bare ``yield`` makes the
+    task go round the loop once (a cancellation is thrown in here when it resumes), with no
+    coroutine frame around it; this runs for every batch of ``async for``.
+
     Which loop runs is asked only where trio has been imported: in Python 3.11 every
     ``asyncio.get_running_loop()`` makes a ``getpid`` system call (its check for a forked
-    child), and this runs for every batch of ``async for``."""
+    child)."""
     if "trio" in sys.modules and running_asyncio_loop() is None:
         import anyio.lowlevel
 
-        await anyio.lowlevel.checkpoint()  # trio
+        yield from anyio.lowlevel.checkpoint().__await__()  # trio
     else:
-        await _yield_to_loop()
-
-
-@types.coroutine
-def _yield_to_loop() -> Generator[None, None, None]:
-    # asyncio's sleep(0) without the coroutine around it: a bare yield makes the task go
-    # round the loop once, and a cancellation is thrown in here when it resumes.
-    yield
+        yield
 
 
 def _warn_past_length(setup: PassSetup, num_yielded: int) -> None:
@@ -629,7 +603,22 @@ def _warn_past_length(setup: PassSetup, num_yielded: int) -> None:
             "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
             "for examples."
         )
-    warnings.warn(warn_msg, stacklevel=6)  # next or next_blocking, as for _lost's warning
+    warnings.warn(warn_msg, stacklevel=4)  # next or next_blocking, as for _lost's warning
+
+
+def _timeout_error(
+    timeout: float, ledger: Ledger, backend: WorkerBackend
+) -> DataLoaderTimeoutError:
+    """The pass's ``timeout`` passed: the error, naming the task waited for and its worker."""
+    message = f"DataLoader timed out after {timeout} seconds"
+    oldest = ledger.oldest()
+    if oldest is not None:
+        waiting, sent = oldest
+        message += (
+            f" (waiting for batch {waiting} from DataLoader worker {sent.worker_id}, "
+            f"{backend.describe(sent.worker_id)}, holding indices {_short(sent.indices)})"
+        )
+    return DataLoaderTimeoutError(message, timeout=timeout)
 
 
 def _short(indices: Any, limit: int = 16) -> str:

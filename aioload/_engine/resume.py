@@ -842,7 +842,13 @@ def numbered_batches(
     to a worker (a generator does not pickle) and, if that worker is lost, sent again."""
     for position, indices in enumerate(sampler_iter, start):
         if skip is None or position not in skip:
-            if type(indices) is not list and hasattr(indices, "__next__"):
+            # (A list, or the sequential sampler's IndexRange, is asked nothing more: this runs
+            # for every batch.)
+            if (
+                type(indices) is not list
+                and type(indices) is not IndexRange
+                and hasattr(indices, "__next__")
+            ):
                 indices = list(indices)
             yield position, indices
 

@@ -97,15 +97,15 @@ class _Blobs(Dataset[bytes]):
 def _wake_ups(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """One entry per step after a wait: whether that wait brought the batch it waited for."""
     seen: list[bool] = []
-    step_before = _orchestrator.Orchestrator._step_before
+    step = _orchestrator.Orchestrator.step
 
-    def counting(self: Any, deadline: float, intake: bool = True) -> tuple[Any, float]:
-        result = step_before(self, deadline, intake)
+    def counting(self: Any, intake: bool = True) -> Any:
+        result = step(self, intake)
         if intake:
-            seen.append(result[0] is not _orchestrator.PENDING)
+            seen.append(result is not _orchestrator.PENDING)
         return result
 
-    monkeypatch.setattr(_orchestrator.Orchestrator, "_step_before", counting)
+    monkeypatch.setattr(_orchestrator.Orchestrator, "step", counting)
     return seen
 
 
