@@ -33,6 +33,7 @@ from .._aio.waiting import Descriptor
 from .._wire.channel import ChannelClosed, ParentChannel
 from .._wire.messages import (
     Answer,
+    Batch,
     Event,
     FreeSlabs,
     PassPlan,
@@ -468,6 +469,13 @@ class WorkerPool:
         # ``awaited``) an epoll of its own.
         self._whole = Descriptor(self.selector.fileno())
         self._awaited_epoll = _AwaitedEpoll()
+        # The last Waitable offered: a wait offers the same descriptor as the last one nearly
+        # always, and the engine waits up to once a batch.
+        self._waitable = Waitable(self._whole, _HEALTH_CHECK_S)
+        # Whether every worker has been forked (a staggered start forks the last of them at
+        # its first task or wait): from then on, waits and tasks look for no worker to fork.
+        # A replacement is forked as it is made (``_spawn``), so this stays true.
+        self._all_forked = False
         # This pass's plan for each worker (a replacement gets its slot's plan again).
         self.plans: list[PassPlan] = [PassPlan()] * self.num_workers
         # When poll() next looks for a worker that exited unseen (_check_health).
@@ -561,6 +569,8 @@ class WorkerPool:
         """Fork every active worker of a staggered start that is not forked yet."""
         for worker in self.workers[: self.active]:
             self._fork_if_waiting(worker)
+        # (A worker waiting for its fork beyond the active ones is forked when activated.)
+        self._all_forked = all(worker.child_end is None for worker in self.workers)
 
     def _unregister(self, worker: _WorkerHandle) -> None:
         """Close a worker's socket, both ends (one that never got a process)."""
@@ -605,10 +615,17 @@ class WorkerPool:
         # Written at once (what does not fit waits for writability): the orchestrator refills
         # the prefetch window as it hands a batch over, and the task must reach its worker
         # while the consumer works on that batch, not at the consumer's next request.
+        # (The calls below are made only where they have something to do: this runs for
+        # every batch.)
         worker = self.workers[worker_id]
-        self._fork_if_waiting(worker)  # a staggered start: its first task (see _start)
-        self._queue_frees()
-        freed = worker.take_deferred_frees() if worker.deferred_frees else ()
+        if worker.process is None:
+            self._fork_if_waiting(worker)  # a staggered start: its first task (see _start)
+        if self.releases:
+            self._queue_frees()
+        freed: tuple[int, ...] = ()
+        if worker.deferred_frees:  # (take_deferred_frees, written out: once a batch)
+            freed = tuple(worker.deferred_frees)
+            worker.deferred_frees.clear()
         worker.channel.queue(Task(task_id, self.generation, indices, freed))
         self._flush()
 
@@ -632,7 +649,8 @@ class WorkerPool:
 
     def _flush(self) -> None:
         """Return freed slabs to their workers and write what fits of every outbox."""
-        self._queue_frees()
+        if self.releases:
+            self._queue_frees()
         for worker in self.workers:
             if worker.channel.outbox and not worker.channel.closed:
                 self._pump_out(worker)
@@ -669,7 +687,8 @@ class WorkerPool:
         sends nothing leaves a large one queued until then: at the end of the sampler, or for
         a worker whose IterableDataset stream has ended; neither worker has a task that needs
         the slab."""
-        self._queue_frees()
+        if self.releases:
+            self._queue_frees()
         events: list[Event] = []
         if time.monotonic() >= self._next_health_check:
             self._check_health(events)
@@ -708,7 +727,8 @@ class WorkerPool:
 
     def _decode(self, worker: _WorkerHandle, reply: Reply) -> Answer | None:
         """A reply as the engine sees it; None for a reply of an older pass (dropped)."""
-        worker.mappings.drop(reply.dropped_slabs)
+        if reply.dropped_slabs:
+            worker.mappings.drop(reply.dropped_slabs)
         result = reply.result
         current = reply.generation == self.generation
         if isinstance(result, SlabBatch):
@@ -719,7 +739,8 @@ class WorkerPool:
         if not current:
             return None
         answer = answer_to(worker.worker_id, reply, worker.batch_value)
-        if failed_in_setup(answer):
+        # (A batch, nearly every answer, is no failure: asked without a call.)
+        if type(answer.outcome) is not Batch and failed_in_setup(answer):
             self.retired = True
         return answer
 
@@ -800,13 +821,16 @@ class WorkerPool:
         socket with an outbox left that takes more makes readable; with ``awaited`` (and small
         answers), an epoll that only that worker's answers make readable, besides the rest
         (``_AwaitedEpoll``). At most the health-check period. Sends what is queued first."""
-        self._fork_the_rest()  # a staggered start's workers that got no task yet
+        if not self._all_forked:
+            self._fork_the_rest()  # a staggered start's workers that got no task yet
         self._flush()
         if awaited is not None and self._await_one:
             descriptor = self._awaited_epoll.offer(self.selector, self.workers[awaited])
         else:
             descriptor = self._whole
-        return Waitable(descriptor, _HEALTH_CHECK_S)
+        if self._waitable.descriptor is not descriptor:
+            self._waitable = Waitable(descriptor, _HEALTH_CHECK_S)
+        return self._waitable
 
     def _check_health(self, events: list[Event]) -> None:
         """Catch a worker that exited without its sentinel being seen yet: from ``poll``,
