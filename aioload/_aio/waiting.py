@@ -34,6 +34,10 @@ def running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
+# How early ReadableWait's timer may fire for a wait that has timed out: the loop runs a timer
+# up to its clock's resolution before its time (asyncio's ``_clock_resolution``, a
+# nanosecond on Linux; uvloop's clock counts milliseconds).
+_TIMER_SLACK_S = 1e-3
 # How many calls of ReadableWait's reader in a row may find nobody waiting before it stops
 # watching (see ReadableWait._readable).
 _UNHEARD_LIMIT = 8
@@ -57,8 +61,15 @@ class ReadableWait:
     the loop's registration cannot be touched; the duplicate keeps the number from being
     reused under the loop until the loop's own thread removes the reader and closes it.
 
-    Cancellation needs no scope: a cancelled task is interrupted at ``await waiter``, and the
-    ``finally`` cancels the timer. Under trio, anyio's (trio's own) primitives do the wait.
+    The timer that ends a wait at its timeout stays armed from one wait to the next too: a
+    timer made and cancelled for every wait cost the loop's bookkeeping (a handle, a heap
+    entry, the cancellation's count) for every batch of a data-bound consumer, whose waits
+    nearly all end by readiness. A wait whose own end comes no sooner than the armed timer's
+    keeps it; when it fires, a wait that is not yet due is given a timer at its own end, so
+    each wait still ends at its timeout (within ``_TIMER_SLACK_S``).
+
+    Cancellation needs no scope: a cancelled task is interrupted at ``await waiter``. Under
+    trio, anyio's (trio's own) primitives do the wait.
     """
 
     def __init__(self, fd: int) -> None:
@@ -68,12 +79,20 @@ class ReadableWait:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watched: int | None = None  # the duplicate registered with ``_loop``
         self._waiter: asyncio.Future[bool] | None = None
+        # When the current wait times out (the loop's clock), and the armed timer, if any,
+        # with when it fires.
+        self._due = math.inf
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
         # Calls of the reader in a row that found nobody waiting (see _readable).
         self._unheard = 0
 
     async def wait(self, timeout: float) -> bool:
         """True once the descriptor is readable, False after ``timeout`` seconds."""
-        loop = running_asyncio_loop()
+        try:  # (running_asyncio_loop, written out: once a wait)
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
         if loop is None:
             import anyio
 
@@ -93,14 +112,34 @@ class ReadableWait:
         waiter: asyncio.Future[bool] = loop.create_future()
         self._waiter = waiter
         self._unheard = 0
-        # (No timer for a wait without end: a loop's timers need a finite time.)
-        timer = None if timeout == math.inf else loop.call_later(timeout, _settle, waiter, False)
+        # (No timer for a wait without end: a loop's timers need a finite time. One armed
+        # for an earlier wait may still fire meanwhile; _expired then finds this one not due.)
+        self._due = due = math.inf if timeout == math.inf else loop.time() + timeout
+        if due < self._timer_at:
+            self._arm(loop, due)
         try:
             return await waiter
         finally:
-            if timer is not None:
-                timer.cancel()
             self._waiter = None
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_at = loop.call_at(when, self._expired), when
+
+    def _expired(self) -> None:
+        """The armed timer fired (on the loop's thread): the wait times out if it is due, and
+        otherwise gets a timer at its own end. With nobody waiting, nothing is armed again."""
+        self._timer, self._timer_at = None, math.inf
+        waiter, loop = self._waiter, self._loop
+        if waiter is None or loop is None or self._due == math.inf:
+            return
+        # (The loop fires a timer up to its clock's resolution early: a wait due by then has
+        # timed out, as under the timer the wait made for itself before.)
+        if self._due > loop.time() + _TIMER_SLACK_S:
+            self._arm(loop, self._due)
+            return
+        _settle(waiter, False)
 
     def _readable(self) -> None:
         waiter = self._waiter
@@ -124,22 +163,24 @@ class ReadableWait:
         if os.getpid() != self._pid:
             self.forget_after_fork()
             return
-        loop, watched = self._loop, self._watched
-        self._loop = self._watched = None
+        loop, watched, timer = self._loop, self._watched, self._timer
+        self._loop = self._watched = self._timer = None
+        self._timer_at = math.inf
         if loop is None or watched is None:
             return
         if running_asyncio_loop() is loop or not loop.is_running():
             # On the loop's thread, or no thread is inside the loop: safe to touch it here.
-            _stop_watching(loop, watched)
+            _stop_watching(loop, watched, timer)
             return
         try:
-            loop.call_soon_threadsafe(_stop_watching, loop, watched)
+            loop.call_soon_threadsafe(_stop_watching, loop, watched, timer)
         except RuntimeError:  # closed meanwhile: its registrations went with it
             os.close(watched)
 
     def forget_after_fork(self) -> None:
         """In a forked child: drop the duplicate without touching the parent's loop."""
         watched, self._watched, self._loop = self._watched, None, None
+        self._timer, self._timer_at = None, math.inf
         if watched is not None:
             with contextlib.suppress(OSError):
                 os.close(watched)
@@ -150,7 +191,11 @@ def _settle(waiter: asyncio.Future[bool], readable: bool) -> None:
         waiter.set_result(readable)
 
 
-def _stop_watching(loop: asyncio.AbstractEventLoop, watched: int) -> None:
+def _stop_watching(
+    loop: asyncio.AbstractEventLoop, watched: int, timer: asyncio.TimerHandle | None
+) -> None:
+    if timer is not None:
+        timer.cancel()
     with contextlib.suppress(Exception):  # a closed loop has let go of it already
         loop.remove_reader(watched)
     os.close(watched)
@@ -272,7 +317,8 @@ class Waiter:
     async def wait(self, source: Descriptor | None, timeout: float) -> bool:
         """Wait, without blocking the loop, until ``source`` or the wake-up pipe is readable
         (True) or ``timeout`` seconds pass (False). Cancellable like any await."""
-        self._watch(source)
+        if not self._made or source is not self._source:  # (a call only when it changes)
+            self._watch(source)
         if not self._fds:
             return await _sleep(timeout)
         if self._readable is None:
@@ -288,7 +334,8 @@ class Waiter:
     def wait_blocking(self, source: Descriptor | None, timeout: float) -> bool:
         """``wait`` in the calling thread, with no loop. Ctrl-C interrupts it as it would any
         blocking call."""
-        self._watch(source)
+        if not self._made or source is not self._source:  # (a call only when it changes)
+            self._watch(source)
         if not self._fds:
             if timeout != math.inf:
                 time.sleep(timeout)

@@ -164,3 +164,58 @@ def test_closing_from_another_thread_leaves_the_removal_to_the_loop() -> None:
     finally:
         os.close(read_end)
         os.close(write_end)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "uvloop"])
+def test_a_wait_times_out_at_its_own_timeout_with_one_timer_kept(
+    monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """The timer that ends a wait stays armed from wait to wait: waits that readiness ends
+    arm it once, and each wait that nothing ends still returns False at its own timeout, not
+    at an earlier wait's, nor before it."""
+    read_end, write_end = os.pipe()
+    wait = waiting.ReadableWait(read_end)
+    armed: list[float] = []
+    arm = waiting.ReadableWait._arm
+    timeouts = (0.2, 0.05, 0.02, 0.06)
+
+    def counting(self: waiting.ReadableWait, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        armed.append(when)
+        arm(self, loop, when)
+
+    monkeypatch.setattr(waiting.ReadableWait, "_arm", counting)
+
+    async def main() -> list[float]:
+        loop = asyncio.get_running_loop()
+        for _ in range(50):
+            os.write(write_end, b"x")
+            assert await wait.wait(0.2)
+            os.read(read_end, 1)
+        assert len(armed) == 1, "one timer for every wait that readiness ended"
+        took = []
+        # The timer armed by the first wait fires halfway through the first wait below, which
+        # is not due then; a shorter wait (a new timer), then a longer one again: each times
+        # out at its own end.
+        # (A wait may end at once, True, for readiness the loop saw before the last read.)
+        await asyncio.sleep(0.1)
+        for timeout in timeouts:
+            while True:
+                started = loop.time()
+                if not await wait.wait(timeout):
+                    break
+            took.append(loop.time() - started)
+        wait.close()
+        return took
+
+    try:
+        if backend == "uvloop":
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                took = runner.run(main())
+        else:
+            took = asyncio.run(main())
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    for timeout, spent in zip(timeouts, took, strict=True):
+        assert timeout - 0.002 <= spent < timeout + 0.5, (timeout, spent)
+    assert wait._timer is None
