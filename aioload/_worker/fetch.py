@@ -33,7 +33,7 @@ import pickle
 import random
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -308,7 +308,7 @@ class BaseFetcher:
         from .info import get_worker_info  # (_worker.main imports this module)
 
         self.keep_last = get_worker_info() is not None
-        self._last: tuple[list[Any], list[Any], list[SkippedSample]] | None = None
+        self._last: tuple[Sequence[Any], list[Any], list[SkippedSample]] | None = None
         if not self.iterable:
             # A map-style dataset's checkpointed state goes in before its first fetch.
             self.load_dataset_state()
@@ -382,7 +382,7 @@ class BaseFetcher:
     def _collate_list(self, samples: list[Any]) -> Any:
         return self.collate_fn(samples if self.auto_collation else samples[0])
 
-    def remember(self, keys: list[Any], samples: Any, skipped: list[SkippedSample]) -> None:
+    def remember(self, keys: Sequence[Any], samples: Any, skipped: list[SkippedSample]) -> None:
         if self.keep_last and isinstance(samples, list) and len(samples) == len(keys):
             self._last = (keys, samples, skipped)
 
@@ -505,6 +505,16 @@ class Fetcher(BaseFetcher):
             if collate_fn is _transport.slab_collate and auto_collation
             else None
         )
+        # Looked up once per pass (a fetcher is made for each), after the dataset's state was
+        # loaded, rather than for every batch: a dataset without one pays for an
+        # AttributeError raised and caught on each lookup.
+        self.getitems = getattr(dataset, "__getitems__", None) if auto_collation else None
+        self.policy_active = self.policy.active
+        # Whether a map-style batch's indices reach the dataset one at a time (never as the
+        # list): no ``__getitems__``, no policy (which names every key), auto-collation.
+        self.item_by_item = (
+            not self.iterable and auto_collation and not self.getitems and not self.policy_active
+        )
         if self.iterable and not self.ended:
             self.load_dataset_state()
             if self.opened(iter(dataset)):
@@ -524,12 +534,14 @@ class Fetcher(BaseFetcher):
 
     def fetch(self, indices: Any) -> Any:
         if type(indices) is IndexRange:
-            indices = indices.as_list()
+            # Where each index reaches the dataset on its own, as an int, a range gives the
+            # same ints one at a time, without a list of them all kept for the batch.
+            indices = range(indices.start, indices.stop) if self.item_by_item else indices.as_list()
         if self.iterable:
             return self._fetch_iterable(indices)
         saved = RngStates() if self.restore_rng else None
         try:
-            if self.policy.active:
+            if self.policy_active:
                 return self.collate_gathered(self._gather_map(indices))
             return self._fetch_map(indices)
         finally:
@@ -544,7 +556,7 @@ class Fetcher(BaseFetcher):
     def _fetch_map(self, indices: Any) -> Any:
         dataset = self.dataset
         if self.auto_collation:
-            getitems = getattr(dataset, "__getitems__", None)
+            getitems = self.getitems
             if getitems:
                 if self.seeded:
                     # One call for the whole batch: seeded once, from its first index (the
@@ -567,9 +579,10 @@ class Fetcher(BaseFetcher):
             data = dataset[indices]
         batch = self.collate_fn(data)
         if self.keep_last:
-            # Kept until the batch is sent: a sample that cannot be sent is then named.
+            # Kept until the batch is sent: a sample that cannot be sent is then named. (A
+            # range of keys is kept as it is: only a batch that cannot be sent reads it.)
             if self.auto_collation:
-                self.remember(list(indices), data, [])
+                self.remember(indices if type(indices) is range else list(indices), data, [])
             else:
                 self.remember([indices], [data], [])
         return batch
@@ -587,7 +600,7 @@ class Fetcher(BaseFetcher):
         samples are fetched one by one with ``dataset[index]``, so only the bad ones are lost.
         """
         keys = list(indices) if self.auto_collation else [indices]
-        getitems = getattr(self.dataset, "__getitems__", None) if self.auto_collation else None
+        getitems = self.getitems
         if getitems:
             if self.seeded:
                 self._seed(keys[0] if keys else 0)
