@@ -265,7 +265,9 @@ def fetch_stacking(
     if count < 2:
         return [fetch(index) for index in remaining]
     first = fetch(next(remaining))
-    if type(first) is passed_over:
+    if type(first) is passed_over or (type(first) is _Tensor and first.nbytes < _MIN_ROW_BYTES):
+        # (A small tensor, the commonest sample, has nothing to copy as it comes: told
+        # before any layout is made for it.)
         return [first, *[fetch(index) for index in remaining]]
     layout = _Layout(first)
     for key, leaf, dtype in layout.large_leaves(first):
