@@ -70,6 +70,17 @@ _MAX_DIMS = 255
 _MAX_LEAVES = 0xFFFF  # the head's leaf count is an unsigned short
 
 
+# _LEAF and a shape of each number of dimensions, as one struct: made once per number.
+_LEAF_WITH_SHAPE: dict[int, struct.Struct] = {}
+
+
+def _leaf_struct(ndim: int) -> struct.Struct:
+    found = _LEAF_WITH_SHAPE.get(ndim)
+    if found is None:
+        found = _LEAF_WITH_SHAPE[ndim] = struct.Struct(f"{_LEAF.format}{ndim}q")
+    return found
+
+
 def pack_reply(message: Any) -> bytes | None:
     """``message`` packed, or None when it is not a reply this form carries (it is pickled)."""
     if type(message) is not Reply:
@@ -83,11 +94,10 @@ def pack_reply(message: Any) -> bytes | None:
     parts: list[bytes] = [b"", result.payload]
     for kind, offset, dtype, shape, strides in leaves:
         code = _DTYPE_CODES.get(dtype)
-        if kind != "t" or strides is not None or code is None or len(shape) > _MAX_DIMS:
+        ndim = len(shape)
+        if kind != "t" or strides is not None or code is None or ndim > _MAX_DIMS:
             return None
-        parts.append(_LEAF.pack(offset, code, len(shape)))
-        if shape:
-            parts.append(struct.pack(f"<{len(shape)}q", *shape))
+        parts.append(_leaf_struct(ndim).pack(offset, code, ndim, *shape))
     parts[0] = _HEAD.pack(
         MARKER,
         message.task_id,
@@ -152,13 +162,13 @@ def unpack_to_worker(frame: memoryview) -> Task | FreeSlabs:
     marker = frame[0]
     if marker == RANGE_TASK_MARKER:
         _, task_id, generation, start, stop = _RANGE_TASK.unpack_from(frame)
-        with frame[_RANGE_TASK.size :] as freed:
-            return Task(
-                task_id,
-                generation,
-                IndexRange(start, stop),
-                struct.unpack(f"<{len(freed) // 8}q", freed) if freed else (),
-            )
+        n_freed = (len(frame) - _RANGE_TASK.size) // 8
+        return Task(
+            task_id,
+            generation,
+            IndexRange(start, stop),
+            struct.unpack_from(f"<{n_freed}q", frame, _RANGE_TASK.size) if n_freed else (),
+        )
     with frame[1:] as body:
         if marker == TASK_MARKER:
             return Task._make(pickle.loads(body))

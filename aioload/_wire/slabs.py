@@ -107,6 +107,8 @@ _TORCH_DTYPES: frozenset[torch.dtype] = frozenset(
     if d is not None
 )
 
+_STRIDED = torch.strided
+
 # ("t", offset, dtype, shape, strides-or-None) for tensors; ("n", ...) for numpy arrays.
 LeafDesc = tuple[str, int, Any, tuple[int, ...], tuple[int, ...] | None]
 
@@ -177,14 +179,8 @@ def _round_up(n: int, to: int) -> int:
 _storage_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
 
 
-def _views_of(tensor: torch.Tensor) -> int:
-    if _storage_use_count is None:
-        return 0
-    return _storage_use_count(tensor.untyped_storage()._cdata)
-
-
 class _Slab:
-    __slots__ = ("capacity", "fd", "id", "own_views", "ptr", "tensor")
+    __slots__ = ("capacity", "cdata", "fd", "id", "own_views", "ptr", "storage", "tensor")
 
     def __init__(self, slab_id: int, capacity: int) -> None:
         self.id = slab_id
@@ -197,13 +193,24 @@ class _Slab:
             raise
         self.tensor = torch.frombuffer(buf, dtype=torch.uint8)
         self.ptr = self.tensor.data_ptr()
-        self.own_views = _views_of(self.tensor)
+        # The storage's Python object, kept: it is made once, not for every count (the count
+        # includes the reference it holds, in ``own_views`` and in every later count alike).
+        self.storage = self.tensor.untyped_storage()
+        self.cdata = self.storage._cdata
+        self.own_views = self._views()
+
+    def _views(self) -> int:
+        if _storage_use_count is None:
+            return 0
+        return _storage_use_count(self.cdata)
 
     def referenced(self) -> bool:
         """Whether a tensor in this process still views the slab: a batch's stacked tensors
         are views of it, and a user's collate_fn may keep one (a cache of the last good
         batch, say) after the batch was sent. Such a slab must never be written again."""
-        return _views_of(self.tensor) > self.own_views
+        if _storage_use_count is None:
+            return False
+        return _storage_use_count(self.cdata) > self.own_views
 
     def take_fd(self) -> int | None:
         """The descriptor, once: it is sent to the parent with the first batch."""
@@ -224,7 +231,7 @@ class _Arena:
         self.made_for_batch = made_for_batch
 
     def alloc(self, nbytes: int) -> int | None:
-        start = _round_up(self.used, ALIGN)
+        start = (self.used + ALIGN - 1) // ALIGN * ALIGN  # (_round_up, inlined: every batch)
         if start + nbytes > self.slab.capacity:
             return None
         self.used = start + nbytes
@@ -500,9 +507,11 @@ def stack_tensors_privately() -> None:
 
 def _slab_tensor(obj: torch.Tensor) -> bool:
     """Whether a plain tensor travels in the slab (else it is pickled with the batch)."""
+    # (``is_cpu`` and an identity test: ``obj.device`` would make a device object, and layouts
+    # are singletons. This runs for every leaf of every batch.)
     return bool(
-        obj.device.type == "cpu"
-        and obj.layout == torch.strided
+        obj.is_cpu
+        and obj.layout is _STRIDED
         and obj.dtype in _TORCH_DTYPES
         and not obj.requires_grad
         and not obj.is_quantized
@@ -593,14 +602,16 @@ def encode_batch(batch: Any, pool: WorkerSlabPool, arena: _Arena | None) -> Enco
     encoded = EncodedBatch()
     encoded.payload, leaves = _collect_leaves(batch)
 
-    prepared: list[tuple[Any, int, bool, tuple[int, ...] | None]] = []
+    # (leaf, its shape, bytes, whether it is in the arena already, strides or None)
+    prepared: list[tuple[Any, tuple[int, ...], int, bool, tuple[int, ...] | None]] = []
     extra = 0
     total = 0
+    any_in_arena = False
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             if leaf.is_conj() or leaf.is_neg():
                 leaf = leaf.resolve_conj().resolve_neg()
-            shape = tuple(leaf.shape)
+            shape: tuple[int, ...] = tuple(leaf.shape)
             if leaf.is_contiguous():
                 strides: tuple[int, ...] | None = None
             elif _dense_strides(shape, tuple(leaf.stride())):
@@ -608,15 +619,16 @@ def encode_batch(batch: Any, pool: WorkerSlabPool, arena: _Arena | None) -> Enco
             else:
                 leaf = leaf.contiguous()
                 strides = None
-            nbytes = leaf.numel() * leaf.element_size()
+            nbytes = leaf.nbytes
             in_arena = arena is not None and strides is None and nbytes > 0 and arena.holds(leaf)
         else:
+            shape = leaf.shape
             if leaf.flags.c_contiguous:
                 strides = None
             elif (
                 leaf.itemsize
                 and all(s % leaf.itemsize == 0 for s in leaf.strides)
-                and _dense_strides(leaf.shape, tuple(s // leaf.itemsize for s in leaf.strides))
+                and _dense_strides(shape, tuple(s // leaf.itemsize for s in leaf.strides))
             ):
                 strides = tuple(leaf.strides)
             else:
@@ -624,15 +636,20 @@ def encode_batch(batch: Any, pool: WorkerSlabPool, arena: _Arena | None) -> Enco
                 strides = None
             nbytes = leaf.nbytes
             in_arena = False
-        prepared.append((leaf, nbytes, in_arena, strides))
-        total += _round_up(nbytes, ALIGN)
-        if not in_arena:
-            extra += _round_up(nbytes, ALIGN)
+        prepared.append((leaf, shape, nbytes, in_arena, strides))
+        rounded = (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        total += rounded
+        if in_arena:
+            any_in_arena = True
+        else:
+            extra += rounded
 
     if total == 0:
         if arena is not None:
             pool.release(arena.slab.id)
-        encoded.leaves = [_describe(leaf, 0, strides) for leaf, _, _, strides in prepared]
+        encoded.leaves = [
+            _describe(leaf, shape, 0, strides) for leaf, shape, _, _, strides in prepared
+        ]
         return encoded
 
     if arena is not None and _round_up(arena.used, ALIGN) + extra <= arena.slab.capacity:
@@ -645,40 +662,48 @@ def encode_batch(batch: Any, pool: WorkerSlabPool, arena: _Arena | None) -> Enco
             pool.discard(arena.slab.id)  # too small for this pool's batches: not kept idle
         elif arena is not None:
             pool.release(arena.slab.id)
-        prepared = [(leaf, nbytes, False, strides) for leaf, nbytes, _, strides in prepared]
+        if any_in_arena:
+            prepared = [
+                (leaf, shape, nbytes, False, strides)
+                for leaf, shape, nbytes, _, strides in prepared
+            ]
 
-    for leaf, nbytes, in_arena, strides in prepared:
+    slab = target.slab
+    described = encoded.leaves
+    for leaf, shape, nbytes, in_arena, strides in prepared:
         if in_arena:
-            offset = leaf.data_ptr() - target.slab.ptr
+            offset = leaf.data_ptr() - slab.ptr
         else:
             got = target.alloc(nbytes)
             assert got is not None, "slab sized for the batch ran out of room"
             offset = got
-            _copy_into(target, offset, nbytes, leaf, strides)
-        encoded.leaves.append(_describe(leaf, offset, strides))
+            if nbytes and strides is None and isinstance(leaf, torch.Tensor):
+                # A contiguous tensor (made one above): one memmove, where views of the slab
+                # and copy_ would make three tensors first. Bytes are bytes: the dtype is the
+                # same.
+                ctypes.memmove(slab.ptr + offset, leaf.data_ptr(), nbytes)
+            else:
+                _copy_into(target, offset, nbytes, leaf, strides)
+        described.append(_describe(leaf, shape, offset, strides))
 
-    pool.expected = max(pool.expected, target.used)
-    encoded.slab = target.slab
+    if target.used > pool.expected:
+        pool.expected = target.used
+    encoded.slab = slab
     encoded.used = target.used
-    encoded.new_slab = target.slab.fd is not None
+    encoded.new_slab = slab.fd is not None
     return encoded
 
 
-def _describe(leaf: Any, offset: int, strides: tuple[int, ...] | None) -> LeafDesc:
-    if isinstance(leaf, torch.Tensor):
-        return ("t", offset, leaf.dtype, tuple(leaf.shape), strides)
-    return ("n", offset, leaf.dtype, tuple(leaf.shape), strides)
+def _describe(
+    leaf: Any, shape: tuple[int, ...], offset: int, strides: tuple[int, ...] | None
+) -> LeafDesc:
+    return ("t" if isinstance(leaf, torch.Tensor) else "n", offset, leaf.dtype, shape, strides)
 
 
 def _copy_into(
     arena: _Arena, offset: int, nbytes: int, leaf: Any, strides: tuple[int, ...] | None
 ) -> None:
     if nbytes == 0:
-        return
-    if strides is None and isinstance(leaf, torch.Tensor):
-        # A contiguous tensor (encode_batch made it one): one memmove, where views of the slab
-        # and copy_ would make three tensors first. Bytes are bytes: the dtype is the same.
-        ctypes.memmove(arena.slab.ptr + offset, leaf.data_ptr(), nbytes)
         return
     raw = arena.slab.tensor[offset : offset + nbytes]
     if isinstance(leaf, torch.Tensor):
