@@ -66,19 +66,6 @@ def _plain(t: Any) -> bool:
     )
 
 
-def _alike(t: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
-    """Whether ``t`` stacks under the rows made for a first sample of ``dtype`` and ``shape``."""
-    return (
-        type(t) is _Tensor
-        and t.dtype is dtype
-        and t.layout is _strided
-        and not t.is_nested
-        and t.shape == shape
-        and not t.requires_grad
-        and t.is_cpu
-    )
-
-
 # numpy dtypes as torch.from_numpy makes them (None: it cannot), filled as they are met.
 _TORCH_DTYPE_OF: dict[np.dtype[Any], torch.dtype | None] = {}
 
@@ -111,7 +98,17 @@ class _Leaf:
     def take(self, value: Any, position: int) -> Any:
         """``value`` copied into row ``position``, and the row; ``_UNLIKE`` if it is not a
         tensor like the first sample's (nothing is copied then)."""
-        if not _alike(value, self.dtype, self.shape):
+        # Whether ``value`` stacks under the rows made for the first sample (its dtype and
+        # shape). Written out here, not called: this runs for every sample.
+        if not (
+            type(value) is _Tensor
+            and value.dtype is self.dtype
+            and value.layout is _strided
+            and not value.is_nested
+            and value.shape == self.shape
+            and not value.requires_grad
+            and value.is_cpu
+        ):
             return _UNLIKE
         row = self.rows[position]
         row.copy_(value)
@@ -286,11 +283,15 @@ def fetch_stacking(
     sample = first
     del first, leaf  # only ``sample`` holds the sample now: it is freed as the next comes
     position = 0  # the next row
+    # A sample that is its one leaf (a tensor or an array, the commonest) goes straight to
+    # that leaf's ``take``, which is what ``copy_in`` would call: one call less per sample.
+    kind = layout.kind
+    copy_in = layout.leaves[0].take if kind is _Tensor or kind is np.ndarray else layout.copy_in
     while True:
         if type(sample) is passed_over:
             samples.append(sample)
         else:
-            copied = layout.copy_in(sample, position)
+            copied = copy_in(sample, position)
             if copied is _UNLIKE:
                 # Not laid out as the first: the rest as they come, stacked as usual.
                 return _as_sampled(layout, samples, passed_over, sample, fetch, remaining)
