@@ -552,8 +552,7 @@ class WorkerStep:
         early = self.preamble()
         if early is not None:
             return early
-        fetcher = self.fetcher
-        return self.finish(lambda: fetcher.fetch(task.indices))
+        return self.finish(self.fetcher.fetch, task.indices)
 
     async def run_async(self, task: Task, fetcher: AsyncFetcher | None = None) -> StepResult:
         """An async dataset's task: gather its samples (with up to worker_concurrency in
@@ -578,22 +577,23 @@ class WorkerStep:
             self.point = self._point_or_none()
             return failure
         # No await from here on: the collate is not interrupted by a cancellation.
-        return self.finish(lambda: active.collate(samples))
+        return self.finish(active.collate, samples)
 
-    def finish(self, make_batch: Callable[[], Any]) -> StepResult:
-        """Run ``make_batch`` (a fetch, or an async fetch's collate), with a slab to collate
-        into when this worker has shared memory, and note where the stream stands after it."""
+    def finish(self, make_batch: Callable[[Any], Any], argument: Any) -> StepResult:
+        """Run ``make_batch(argument)`` (a fetch of a task's indices, or an async fetch's
+        collate of its samples), with a slab to collate into when this worker has shared
+        memory, and note where the stream stands after it."""
         arena = self._arena()
         started = time.perf_counter()
         waited = 0.0 if self.slabs is None else self.slabs.waited_s
         try:
             _transport._current_arena = arena
             try:
-                data = make_batch()
+                data = make_batch(argument)
             finally:
                 _transport._current_arena = None
                 # The arena has a slab only if the collate stacked into it.
-                arena = _transport.settled_arena(arena)
+                arena = None if arena is None else arena.arena
                 if self.slabs is not None:
                     # How long a batch takes to make, a wait for a free left out: the pool
                     # waits at most this long for the next one.
