@@ -18,7 +18,7 @@ structure that pickles still works; only its arrays go faster.
 Lifetime. In the parent, every batch gets its own *lease*: a fresh ctypes array over the used part
 of the slab. All tensors and arrays of the batch are made from the lease (each tensor with a
 storage of its own bytes, as torch's loader gives), so the lease dies exactly when the
-consumer's last reference into the batch dies. A weakref finalizer on the lease then
+consumer's last reference into the batch dies. A weak reference's callback on the lease then
 queues the slab for return to its worker. Until then the worker never writes to that slab, so a
 batch the user keeps is never overwritten; a worker that needs a slab and has none free makes a
 new one (the pool grows) rather than waiting.
@@ -763,6 +763,29 @@ class _LeafLoader(CachedUnpickler):
         return self.leaves[pid]
 
 
+# The weak references that watch live leases, kept here until their lease dies (a weak
+# reference that is itself collected never calls back). Module-wide, as weakref.finalize's
+# registry is: a lease outlives the mappings and the pool that made it.
+# (By the reference's id: a weak reference hashes as its lease would, and a ctypes array
+# cannot be hashed.)
+_watching: dict[int, weakref.ref[Any]] = {}
+
+
+def _on_death(lease: Any, on_release: Callable[[int], None], slab_id: int) -> None:
+    """Call ``on_release(slab_id)`` once ``lease`` is gone. A weak reference with a callback,
+    where ``weakref.finalize`` was used: that is a dozen Python-level calls per batch (its
+    registry, its info object, its atexit bookkeeping), paid by the parent for every batch it
+    decodes, and the one thing it adds, a call at interpreter exit for leases still alive,
+    only queued frees that nobody would send."""
+
+    def released(ref: weakref.ref[Any]) -> None:
+        del _watching[id(ref)]
+        on_release(slab_id)
+
+    ref = weakref.ref(lease, released)
+    _watching[id(ref)] = ref
+
+
 class SlabMappings:
     """The parent's mappings of one worker's slabs."""
 
@@ -804,7 +827,7 @@ class SlabMappings:
             # torch array stands in between: fewer objects on the path the parent pays for
             # every batch.
             lease = (ctypes.c_ubyte * used).from_buffer(self.maps[slab_id])
-            weakref.finalize(lease, on_release, slab_id)
+            _on_death(lease, on_release, slab_id)
             leaves = [_leaf_view(lease, desc) for desc in descs]
             del lease
         else:
