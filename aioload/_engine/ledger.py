@@ -108,6 +108,14 @@ class Ledger:
         """Answered tasks not yet delivered, the pin stage's included."""
         return len(self._reorder_buffer) + len(self._completed) + len(self._staged)
 
+    def nothing_ready(self) -> bool:
+        """Whether tasks are in flight and ``pop_ready`` would find none of them answered."""
+        if not self.inflight:
+            return False
+        if self._in_order:
+            return self.rcvd_idx not in self._reorder_buffer
+        return not self._completed
+
     def held_by(self, worker_id: int) -> list[int]:
         """The unanswered tasks of ``worker_id``, oldest first."""
         return sorted(t for t, sent in self.inflight.items() if sent.worker_id == worker_id)

@@ -165,13 +165,10 @@ class Orchestrator:
         self._fatal: BaseException | None = None
         self._finished = False
         self._closed = False
-        # Set while a ``next`` waits (or starts the backend): a second consumer meanwhile is
-        # refused, rather than interleaving its steps with the waiting one's.
+        # Set while a ``next`` waits (or starts the backend): a second consumer is refused.
         self._busy = False
         # Whether stats name every worker (see _name_workers); the calling process is unnamed.
         self._named = not setup.traits.runs_ahead
-        self._runs_ahead = setup.traits.runs_ahead
-        self._iterable_len = setup.iterable_len
 
     # -- the one entry point -----------------------------------------------------------------
 
@@ -199,7 +196,6 @@ class Orchestrator:
         each wait found nothing. (With a pin stage, whose own thread hands batches back, every
         step takes in.)
         """
-        # (Once or twice a batch: each call below is made only where it has something to do.)
         if (self._busy or self._fatal is not None or self._finished or self._closed) and (
             self._over()
         ):
@@ -240,12 +236,20 @@ class Orchestrator:
         cancellation, even when the batch is already here. A training step is mostly
         synchronous; without this, a consumer that always finds a batch waiting would never
         let the loop's other tasks (heartbeats, RPCs, deadlines) run. The checkpoint comes
-        before the batch is taken, so a cancellation delivered here loses no batch.
-
-        Its loop: a ``step`` (the first takes in nothing new), the deadline, a wait, and the
-        workers named once they have started; ``next_blocking``'s is the same, written out.
+        before the batch is taken, so a cancellation delivered here loses no batch. Where the
+        first step surely takes nothing, the wait after it is the checkpoint (one turn of the
+        loop per waited batch, not two); a wait that did not yield is followed by one.
+        ``next_blocking``'s loop is this one's, written out for the sync front end.
         """
-        await _checkpoint()
+        ledger = self._ledger  # the pass goes on; its first step surely sends and takes nothing
+        if checkpointed := not (
+            self._stage is None
+            and self._backend is not _NOT_STARTED
+            and not (self._busy or self._fatal is not None or self._finished or self._closed)
+            and (self._sampler_done or ledger.unyielded >= self._capacity)
+            and ledger.nothing_ready()
+        ):
+            await _checkpoint()
         if self._over():
             return END
         if self._backend is _NOT_STARTED:
@@ -262,12 +266,14 @@ class Orchestrator:
         while (result := self.step(intake)) is PENDING:
             if deadline != math.inf and time.monotonic() >= deadline:
                 deadline = self._overdue(deadline, intake)
-                intake = True
-                continue
-            await self._wait(deadline)
+            else:
+                checkpointed = await self._wait(deadline) or checkpointed
+                if not self._named:
+                    self._name_workers()
             intake = True
-            if not self._named:
-                self._name_workers()
+            if not checkpointed:
+                await _checkpoint()
+                checkpointed = True
         return result
 
     def next_blocking(self) -> Any:
@@ -276,11 +282,10 @@ class Orchestrator:
         backend starts in a thread, or an async dataset runs in this process); the front end
         then runs ``next`` on its private loop.
 
-        A loop costs the sync path a lot per wait (uvloop sets up and tears down its signal
-        wake-up socketpair on every ``run_until_complete``) and buys it nothing: it has no
-        other tasks to run. Ctrl-C interrupts the blocking ``select`` as it would any sync
-        call; the orchestrator's state is consistent at every wait, so the pass can be closed
-        or resumed as after any other exception.
+        A loop would cost the sync path a lot per wait (uvloop makes and closes its signal
+        wake-up socketpair per ``run_until_complete``) and buy it nothing. Ctrl-C interrupts
+        the blocking ``select``; the state is consistent at every wait, so the pass can be
+        closed or resumed as after any other exception.
         """
         if self._over():
             return END
@@ -320,9 +325,9 @@ class Orchestrator:
         self._backend.abandon(oldest[1].worker_id)
         return time.monotonic() + self._timeout
 
-    async def _wait(self, deadline: float) -> None:
+    async def _wait(self, deadline: float) -> bool:
         """Sleep until the backend may have something, the pin stage has a batch, or the
-        deadline; or, where the answer is work the caller does, do it."""
+        deadline; or do the caller's work. True where it went round the loop (see ``next``)."""
         # In order, with no pin stage, the wait is for the next task's worker (Ledger.awaited).
         awaited = self._ledger.awaited() if self._in_order and self._stage is None else None
         waitable = self._backend.waitable(awaited)
@@ -333,8 +338,10 @@ class Orchestrator:
                 await waitable.work.work()
             elif (timeout := min(waitable.budget, left)) > 0:
                 await self._waiter.wait(waitable.descriptor, timeout)
+                return waitable.descriptor is not None or timeout != math.inf
         finally:
             self._busy = False
+        return False
 
     def _wait_blocking(self, deadline: float) -> bool:
         """``_wait`` in the calling thread; False, having waited for nothing, where it needs
@@ -429,7 +436,6 @@ class Orchestrator:
         # holds fewer than its share of the prefetch budget.
         # (Among the first ``_slots`` workers: num_workers="auto" may use fewer than it has.)
         slots, ledger, in_order = self._slots, self._ledger, self._in_order
-        # (The share needs the count of active workers; in order it is not asked for.)
         active = 0 if in_order else sum(ledger.active[:slots])
         for _ in range(slots):
             worker_id = ledger.next_worker if ledger.next_worker < slots else 0
@@ -468,14 +474,8 @@ class Orchestrator:
             dataset_state=point.dataset_state, iter_state=point.iter_state
         )
         self._restarts_left -= 1
-        limit = self._setup.max_worker_restarts
-        warnings.warn(
-            f"{lost.error} aioload replaced it with a new worker {lost.worker_id} "
-            f"(restart {limit - self._restarts_left} of max_worker_restarts={limit}) and is "
-            "sending its unfinished tasks again.",
-            RuntimeWarning,
-            stacklevel=3,  # next or next_blocking (under step)
-        )
+        message = _replaced(lost, self._setup.max_worker_restarts, self._restarts_left)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)  # next or next_blocking (via step)
         self.stats.restarted(lost.worker_id)
         self._backend.restart(lost.worker_id, plan)
         self.stats.where[lost.worker_id] = self._backend.describe(lost.worker_id)
@@ -515,9 +515,10 @@ class Orchestrator:
             value, len(ledger.inflight), ledger.answered_waiting()
         ):
             self._apply_tuning()
-        if self._runs_ahead and not self._sampler_done and ledger.unyielded < self._capacity:
+        runs_ahead = self._setup.traits.runs_ahead
+        if runs_ahead and not self._sampler_done and ledger.unyielded < self._capacity:
             self._dispatch()
-        iterable_len = self._iterable_len
+        iterable_len = self._setup.iterable_len
         if iterable_len is not None and self._num_yielded > iterable_len:
             _warn_past_length(self._setup, self._num_yielded)
         return value
@@ -604,6 +605,15 @@ def _warn_past_length(setup: PassSetup, num_yielded: int) -> None:
             "for examples."
         )
     warnings.warn(warn_msg, stacklevel=4)  # next or next_blocking, as for _lost's warning
+
+
+def _replaced(lost: WorkerLost, limit: int, restarts_left: int) -> str:
+    """``Orchestrator._lost``'s warning: the worker is replaced, its tasks sent again."""
+    return (
+        f"{lost.error} aioload replaced it with a new worker {lost.worker_id} "
+        f"(restart {limit - restarts_left} of max_worker_restarts={limit}) and is "
+        "sending its unfinished tasks again."
+    )
 
 
 def _timeout_error(
