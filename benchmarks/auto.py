@@ -341,23 +341,33 @@ def model_inputs(rounds: int, min_seconds: float) -> dict[str, dict[str, float]]
     return inputs
 
 
-def predict(inputs: dict[str, dict[str, float]], cores: int = 16) -> list[dict[str, Any]]:
+def predict(
+    inputs: dict[str, dict[str, float]], cores: int = 16, parent_us: float | None = None
+) -> list[dict[str, Any]]:
     """The floor share aioload would reach at N workers on ``cores`` cores: the smaller of
 
     - what N workers make, each paying the floor's cost per sample at N (``N / F(N)``: memory
-      bandwidth included) plus ``over_us``: ``N / (N / F(N) + over)``;
-    - what the parent hands over: one batch per ``parent_us`` of its CPU (a single thread);
+      bandwidth included) and the worker's cost over it, the same share of that as here
+      (``over_us / floor_cpu_us``): ``F(N) / (1 + over / floor)``;
+    - what the parent hands over: one batch per ``P`` of its CPU (a single thread), ``P`` being
+      ``parent_us`` (this machine's, scaled by how much faster the large machine's floor
+      process is than this one's), or the ``parent_us`` given;
 
-    with the workers' cores shared once N workers and the parent's core exceed ``cores``."""
+    with the workers' cores shared once N workers and the parent's core exceed ``cores``.
+    Ratios, not this machine's microseconds: a shared machine's speed changes from hour to
+    hour, and the large one is faster; the two runs whose ratio is taken share the hour."""
     rows = []
     for workload, floors in FLOOR_16.items():
         p = inputs[workload]
         batch = p["batch_size"]
-        parent_cap = batch / (p["parent_us"] * 1e-6)
+        smallest = min(floors)
+        speed = (smallest / floors[smallest]) / (p["floor_cpu_us"] * 1e-6)
+        parent = parent_us if parent_us is not None else p["parent_us"] * speed
+        parent_cap = batch / (parent * 1e-6)
+        over = p["over_us"] / p["floor_cpu_us"]
         room = cores - 1  # the parent's core, at most
         for n, floor in floors.items():
-            per_sample = n / floor + p["over_us"] * 1e-6
-            workers_rate = n / per_sample
+            workers_rate = floor / (1.0 + over)
             if n > room:
                 workers_rate *= room / n
             rate = min(workers_rate, parent_cap)
@@ -368,6 +378,7 @@ def predict(inputs: dict[str, dict[str, float]], cores: int = 16) -> list[dict[s
                     "floor": floor,
                     "predicted": rate,
                     "share": rate / floor,
+                    "parent_us": parent,
                     "bound": "parent" if parent_cap < workers_rate else "workers",
                 }
             )
@@ -387,6 +398,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="measure the floor model's inputs here and print its predictions for 16 cores",
     )
+    parser.add_argument(
+        "--model-inputs", help="with --model: the inputs from a file (--model's JSON) instead"
+    )
+    parser.add_argument(
+        "--parent-us",
+        type=float,
+        help="with --model: the parent's CPU per batch on the large machine, where measured there",
+    )
     args = parser.parse_args(argv)
     if args.child:
         return _child(json.loads(args.child))
@@ -396,13 +415,21 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).with_suffix(".md").write_text(_markdown(saved))
         return 0
     if args.model:
-        inputs = model_inputs(args.rounds, args.min_seconds)
+        if args.model_inputs:
+            saved = json.loads(Path(args.model_inputs).read_text())
+            inputs = saved.get("inputs", saved)  # docs/benchmarks-model.json wraps them
+        else:
+            inputs = model_inputs(args.rounds, args.min_seconds)
         print(json.dumps(inputs, indent=1))
-        for row in predict(inputs):
-            print(
-                f"{row['workload']:6s} {row['workers']:3d} workers: floor {_rate(row['floor'])}, "
-                f"predicted {_rate(row['predicted'])} ({row['share']:.0%}, {row['bound']}-bound)"
-            )
+        for parent_us in (None, args.parent_us):
+            if parent_us is None and args.parent_us is not None:
+                continue
+            for row in predict(inputs, parent_us=parent_us):
+                print(
+                    f"{row['workload']:6s} {row['workers']:3d} workers: floor "
+                    f"{_rate(row['floor'])}, predicted {_rate(row['predicted'])} "
+                    f"({row['share']:.0%}, {row['bound']}-bound, P {row['parent_us']:.0f} us)"
+                )
         return 0
     workloads = [w for w in args.workloads.split(",") if w]
     cpu_iters = calibrate_cpu_iters() if "cpu" in workloads else 0
