@@ -32,6 +32,7 @@ import mmap
 import operator
 import os
 import pickle
+import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -180,7 +181,7 @@ _storage_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Us
 
 
 class _Slab:
-    __slots__ = ("capacity", "cdata", "fd", "id", "own_views", "ptr", "storage", "tensor")
+    __slots__ = ("capacity", "cdata", "fd", "id", "own_refs", "own_views", "ptr", "tensor")
 
     def __init__(self, slab_id: int, capacity: int) -> None:
         self.id = slab_id
@@ -193,11 +194,11 @@ class _Slab:
             raise
         self.tensor = torch.frombuffer(buf, dtype=torch.uint8)
         self.ptr = self.tensor.data_ptr()
-        # The storage's Python object, kept: it is made once, not for every count (the count
-        # includes the reference it holds, in ``own_views`` and in every later count alike).
-        self.storage = self.tensor.untyped_storage()
-        self.cdata = self.storage._cdata
+        # The storage's address, taken once. Its Python object is not kept: a collate_fn that
+        # keeps only a batch's ``untyped_storage()`` must count as a view (``referenced``).
+        self.cdata = self.tensor.untyped_storage()._cdata
         self.own_views = self._views()
+        self.own_refs = sys.getrefcount(self.tensor.untyped_storage())
 
     def _views(self) -> int:
         if _storage_use_count is None:
@@ -208,9 +209,13 @@ class _Slab:
         """Whether a tensor in this process still views the slab: a batch's stacked tensors
         are views of it, and a user's collate_fn may keep one (a cache of the last good
         batch, say) after the batch was sent. Such a slab must never be written again."""
-        if _storage_use_count is None:
-            return False
-        return _storage_use_count(self.cdata) > self.own_views
+        if _storage_use_count is not None and _storage_use_count(self.cdata) > self.own_views:
+            return True
+        # A kept storage object (``batch.untyped_storage()``) adds nothing to that count: torch
+        # keeps one Python object per storage, which holds no count of its own. Asked for it,
+        # torch hands back that same object, whose Python references tell whether anyone
+        # holds it.
+        return sys.getrefcount(self.tensor.untyped_storage()) > self.own_refs
 
     def take_fd(self) -> int | None:
         """The descriptor, once: it is sent to the parent with the first batch."""
@@ -773,13 +778,15 @@ _watching: dict[int, weakref.ref[Any]] = {}
 
 def _on_death(lease: Any, on_release: Callable[[int], None], slab_id: int) -> None:
     """Call ``on_release(slab_id)`` once ``lease`` is gone. A weak reference with a callback,
-    where ``weakref.finalize`` was used: that is a dozen Python-level calls per batch (its
-    registry, its info object, its atexit bookkeeping), paid by the parent for every batch it
-    decodes, and the one thing it adds, a call at interpreter exit for leases still alive,
-    only queued frees that nobody would send."""
+    not ``weakref.finalize``: that is a dozen Python-level calls per batch (its registry, its
+    info object, its atexit bookkeeping), paid by the parent for every batch it decodes, and
+    the one thing it adds, a call at interpreter exit for leases still alive, only queues
+    frees that nobody would send."""
 
-    def released(ref: weakref.ref[Any]) -> None:
-        del _watching[id(ref)]
+    # (The registry is bound here, not looked up as a global when the lease dies: a lease
+    # that lives until the interpreter's exit may die after this module's globals are gone.)
+    def released(ref: weakref.ref[Any], watching: dict[int, weakref.ref[Any]] = _watching) -> None:
+        watching.pop(id(ref), None)
         on_release(slab_id)
 
     ref = weakref.ref(lease, released)

@@ -262,7 +262,10 @@ def fetch_stacking(
     if count < 2:
         return [fetch(index) for index in remaining]
     first = fetch(next(remaining))
-    if type(first) is passed_over or (type(first) is _Tensor and first.nbytes < _MIN_ROW_BYTES):
+    if type(first) is passed_over or (
+        # (A sparse tensor has no nbytes: it is left to the collate, which says what it needs.)
+        type(first) is _Tensor and first.layout is _strided and first.nbytes < _MIN_ROW_BYTES
+    ):
         # (A small tensor, the commonest sample, has nothing to copy as it comes: told
         # before any layout is made for it.)
         return [first, *[fetch(index) for index in remaining]]

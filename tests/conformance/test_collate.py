@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from .conftest import Reference, batches, outcome, plain
 from .datasets import Indices, Mixed, Points, Tensors, collate_as_sum, collate_custom_pin
@@ -97,6 +97,68 @@ def test_batches_can_be_kept_and_modified(loader_cls: type[Any], no_leaks: None)
     assert kept[0][0, 0].item() == 1000.0
     assert [b[:, 0].tolist() for b in kept[1:3]] == [[4.0, 5.0, 6.0, 7.0], [8.0, 9.0, 10.0, 11.0]]
     assert kept[-1][:, 0].tolist() == [36.0, 37.0, 38.0, 39.0]
+
+
+class SparseRows(Dataset[torch.Tensor]):
+    """Sparse COO samples, which torch's default collate refuses to batch."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.sparse_coo_tensor([[0], [i]], [1.0], (1, 4))
+
+
+def test_a_batch_of_sparse_tensors_fails_as_in_torch(
+    loader_cls: type[Any], reference: Reference, no_leaks: None
+) -> None:
+    """The default collate's own error, of torch's type, from a worker: a sparse sample is
+    not looked at before the collate sees it."""
+
+    def scenario(cls: type[Any]) -> tuple[type[BaseException], bool] | None:
+        raised = outcome(lambda: batches(cls(SparseRows(), batch_size=2, num_workers=1))).raised
+        if raised is None:
+            return None
+        return raised.type, "default_collate" in raised.message or "collate_fn" in raised.message
+
+    got = reference.run(scenario)
+    assert got == reference(scenario)
+    assert got is not None and got[1], got
+
+
+# What the first batch's collate kept in the worker: its storage (and nothing that views the
+# batch as a tensor), where the batch's bytes began, and a copy of them.
+_kept_storage: list[tuple[Any, int, bytes]] = []
+
+
+def _collate_keeping_the_storage(samples: list[torch.Tensor]) -> torch.Tensor:
+    batch: torch.Tensor = default_collate(samples)
+    start = batch.storage_offset() * batch.element_size()
+    size = batch.numel() * batch.element_size()
+    if not _kept_storage:
+        storage = batch.untyped_storage()
+        _kept_storage.append((storage, start, bytes(storage[start : start + size].tolist())))
+    else:
+        storage, start, first = _kept_storage[0]
+        if bytes(storage[start : start + len(first)].tolist()) != first:
+            raise AssertionError("a later batch was written into a storage the collate kept")
+    return batch
+
+
+def test_a_storage_kept_by_the_collate_is_not_written_again(
+    loader_cls: type[Any], no_leaks: None
+) -> None:
+    """A collate_fn that keeps only a batch's ``untyped_storage()`` (no tensor) keeps its
+    bytes: the worker does not make a later batch in the memory that storage holds."""
+    _kept_storage.clear()
+    loader = loader_cls(
+        Tensors(48, size=4096),
+        batch_size=4,
+        num_workers=1,
+        collate_fn=_collate_keeping_the_storage,
+    )
+    got = [batch[:, 0].tolist() for batch in loader]
+    assert got == [[float(i) for i in range(s, s + 4)] for s in range(0, 48, 4)]
 
 
 def test_batch_tensors_report_is_shared(
