@@ -68,7 +68,7 @@ bench-ray: install
 
 # num_workers/prefetch_factor/worker_concurrency="auto" against a small grid of hand-set numbers
 # and torch's defaults, per workload, alternating, medians, peak RSS; writes
-# docs/benchmarks-auto.{md,json}. About 15 minutes on 2 cores.
+# docs/benchmarks-auto.{md,json}. About 17 minutes on 2 cores.
 bench-auto: install
 	$(PY) -m compileall -q aioload
 	$(PY) -m benchmarks.auto

@@ -388,7 +388,7 @@ def predict(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.auto")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--min-seconds", type=float, default=3.0)
     parser.add_argument("--workloads", default=",".join(WORKLOAD_NAMES))
     parser.add_argument("--out", default=str(DOCS / "benchmarks-auto"))
