@@ -251,13 +251,33 @@ def test_bench_auto_judges_and_models() -> None:
         "tiny", {"auto": runs(80.0), "2w x2": runs(100.0), "torch defaults": runs(50.0)}
     )
     assert summary["pass"] is False
+    # Floors as fast per sample as the 16-core machine's (3.5 us a tiny sample, 2 / 78k s an
+    # image): the parent's cost carries over unscaled.
     inputs = {
-        "tiny": {"parent_us": 100.0, "over_us": 0.5, "batch_size": 256},
-        "image": {"parent_us": 150.0, "over_us": 5.0, "batch_size": 64},
+        "tiny": {"parent_us": 100.0, "over_us": 0.5, "floor_cpu_us": 3.5, "batch_size": 256},
+        "image": {"parent_us": 150.0, "over_us": 5.0, "floor_cpu_us": 2e6 / 78e3, "batch_size": 64},
     }
     rows = {(r["workload"], r["workers"]): r for r in bench.predict(inputs)}
     # One parent thread hands over a 256-sample batch every 100 us: 2.56M items/s at most.
     assert rows[("tiny", 14)]["bound"] == "parent"
     assert rows[("tiny", 14)]["predicted"] == pytest.approx(2.56e6)
     assert rows[("image", 8)]["bound"] == "workers"
-    assert 0 < rows[("image", 8)]["share"] < 1
+    # The workers pay the floor's work and 5 us over it a sample: that share of the floor.
+    assert rows[("image", 8)]["share"] == pytest.approx(1 / (1 + 5.0 / (2e6 / 78e3)))
+    # A machine twice as slow per sample: the same share over the floor, half the parent's cost.
+    slow = {
+        k: {
+            **v,
+            "parent_us": 2 * v["parent_us"],
+            "over_us": 2 * v["over_us"],
+            "floor_cpu_us": 2 * v["floor_cpu_us"],
+        }
+        for k, v in inputs.items()
+    }
+    slow_rows = {(r["workload"], r["workers"]): r for r in bench.predict(slow)}
+    assert slow_rows[("tiny", 14)]["predicted"] == pytest.approx(2.56e6)
+    assert slow_rows[("image", 8)]["share"] == pytest.approx(rows[("image", 8)]["share"])
+    # The parent's cost given as measured on the large machine: tiny is workers-bound.
+    given = {(r["workload"], r["workers"]): r for r in bench.predict(inputs, parent_us=50.0)}
+    assert given[("tiny", 14)]["bound"] == "workers"
+    assert given[("tiny", 14)]["predicted"] == pytest.approx(4.0e6 / (1 + 0.5 / 3.5))
