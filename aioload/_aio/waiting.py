@@ -89,10 +89,7 @@ class ReadableWait:
 
     async def wait(self, timeout: float) -> bool:
         """True once the descriptor is readable, False after ``timeout`` seconds."""
-        try:  # (running_asyncio_loop, written out: once a wait)
-            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
+        loop = running_asyncio_loop()
         if loop is None:
             import anyio
 

@@ -622,10 +622,7 @@ class WorkerPool:
             self._fork_if_waiting(worker)  # a staggered start: its first task (see _start)
         if self.releases:
             self._queue_frees()
-        freed: tuple[int, ...] = ()
-        if worker.deferred_frees:  # (take_deferred_frees, written out: once a batch)
-            freed = tuple(worker.deferred_frees)
-            worker.deferred_frees.clear()
+        freed = worker.take_deferred_frees() if worker.deferred_frees else ()
         worker.channel.queue(Task(task_id, self.generation, indices, freed))
         self._flush()
 

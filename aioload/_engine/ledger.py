@@ -268,9 +268,8 @@ class Ledger:
         if assigned.point is not None:
             progress.streams[assigned.worker_id] = assigned.point
         # (Map-style too: a resumed pass gives the next batch to the worker whose dataset
-        # state would have fetched it.) ``_note_next_worker``, written out: once a batch.
-        following = self._assigned.get(task_id + 1)
-        progress.next_worker = following.worker_id if following else self.next_worker
+        # state would have fetched it.)
+        self._note_next_worker(task_id)
         skipped = self._skips.pop(task_id, None)
         if skipped:
             # Recorded with the batch's position, so a checkpoint has both or neither.

@@ -236,7 +236,7 @@ class _Arena:
         self.made_for_batch = made_for_batch
 
     def alloc(self, nbytes: int) -> int | None:
-        start = (self.used + ALIGN - 1) // ALIGN * ALIGN  # (_round_up, inlined: every batch)
+        start = _round_up(self.used, ALIGN)
         if start + nbytes > self.slab.capacity:
             return None
         self.used = start + nbytes
@@ -642,7 +642,7 @@ def encode_batch(batch: Any, pool: WorkerSlabPool, arena: _Arena | None) -> Enco
             nbytes = leaf.nbytes
             in_arena = False
         prepared.append((leaf, shape, nbytes, in_arena, strides))
-        rounded = (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        rounded = _round_up(nbytes, ALIGN)
         total += rounded
         if in_arena:
             any_in_arena = True
