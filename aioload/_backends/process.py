@@ -233,6 +233,8 @@ class _WorkerHandle:
         self.deferred_frees: list[int] = []
         # Whether the selector watches its socket for writability (see WorkerPool._pump_out).
         self.watching_write = False
+        # A worker of a staggered start: whether a task waits in its socket for its fork.
+        self.tasked = False
 
     def batch_value(self, result: SlabBatch | PickledBatch | ValueBatch) -> Any:
         """A batch this worker sent, as the consumer gets it: a slab's tensors as views of it,
@@ -500,12 +502,16 @@ class WorkerPool:
         self._payload = _payload(
             (spec.dataset, spec.collate_fn, spec.worker_init_fn), forking=self._forking
         )
-        # A staggered start (the sync front end) forks worker 0 here and each other worker
-        # as its first task goes out, or at the first wait: worker 0 starts on its first
-        # batch while the others are forked (a few ms each, most of it copying the parent's
-        # page tables), instead of after all of them. The first batch comes from worker 0,
-        # so it arrives sooner: the first next() on tiny with 2 workers, 18.3 -> 16.9 ms
-        # (medians of 8 fresh processes each; worker 0's own start, 8-13 ms, is the rest).
+        # NOTE [staggered start]. The sync front end's pool forks worker 0 here and each
+        # other worker at a wait, one fork per wait (``_fork_next``), not as its first task
+        # goes out. A fork costs the parent milliseconds (most of it copying its page
+        # tables), and forking them all before the first wait made the first batch wait for
+        # every fork: its time grew with num_workers. Now worker 0 starts on the first batch
+        # while the parent forks the others, and the parent takes that batch in between two
+        # forks. A task sent to a worker not forked yet waits in its socket; the consumer's
+        # own worker, when it waits for one, is forked first. Every worker is still started,
+        # as torch starts them all: those that got no task (fewer tasks than workers) are
+        # forked together at the first wait that finds no other to fork.
         # Under async for the pool starts in a thread, and a fork on the loop would stall
         # it: every worker is forked there, at once.
         try:
@@ -559,18 +565,24 @@ class WorkerPool:
         _start_process(self._ctx, worker, target=worker_main, config=config)
         self.selector.register(worker.process.sentinel, selectors.EVENT_READ, (worker, "exit"))
 
-    def _fork_if_waiting(self, worker: _WorkerHandle) -> None:
-        """Fork a worker of a staggered start that is still waiting for its fork (not one
-        whose socket is already closed)."""
-        if worker.process is None and worker.child_end is not None:
+    def _fork_next(self, awaited: int | None) -> bool:
+        """One step of a staggered start, taken at a wait (NOTE [staggered start]): fork the
+        awaited worker if it waits for its fork, else the first with a task waiting; where
+        none has one, every active worker left. True while a worker with a task, or an
+        active one, still waits for its fork."""
+        # (Not one whose socket is already closed: its pool is closing. A slot that
+        # num_workers="auto" retired before its fork still answers the tasks it was given.)
+        waiting = [
+            w
+            for w in self.workers
+            if w.child_end is not None and (w.tasked or w.worker_id < self.active)
+        ]
+        chosen = [w for w in waiting if w.worker_id == awaited] or [w for w in waiting if w.tasked]
+        for worker in chosen[:1] or waiting:
             self._fork(worker)
-
-    def _fork_the_rest(self) -> None:
-        """Fork every active worker of a staggered start that is not forked yet."""
-        for worker in self.workers[: self.active]:
-            self._fork_if_waiting(worker)
         # (A worker waiting for its fork beyond the active ones is forked when activated.)
         self._all_forked = all(worker.child_end is None for worker in self.workers)
+        return len(chosen) > 0 and len(waiting) > 1
 
     def _unregister(self, worker: _WorkerHandle) -> None:
         """Close a worker's socket, both ends (one that never got a process)."""
@@ -619,7 +631,7 @@ class WorkerPool:
         # every batch.)
         worker = self.workers[worker_id]
         if worker.process is None:
-            self._fork_if_waiting(worker)  # a staggered start: its first task (see _start)
+            worker.tasked = True  # forked at a wait (NOTE [staggered start])
         if self.releases:
             self._queue_frees()
         freed = worker.take_deferred_frees() if worker.deferred_frees else ()
@@ -792,8 +804,8 @@ class WorkerPool:
 
     def activate(self, count: int) -> None:
         """num_workers="auto": the engine dispatches to the first ``count`` workers. A
-        worker of a staggered start is forked by its first task (or the next wait); the
-        others stay as they are (an idle process, or a socket waiting for its fork)."""
+        worker of a staggered start is forked at the waits that follow; the others stay as
+        they are (an idle process, or a socket waiting for its fork)."""
         self.active = max(1, min(self.num_workers, count))
 
     def set_concurrency(self, concurrency: int) -> None:
@@ -807,7 +819,7 @@ class WorkerPool:
 
     def describe(self, worker_id: int) -> str:
         # A query: a worker of a staggered start that is not forked yet is named as such (it
-        # is forked by its first task or the first wait, and the engine names it again then).
+        # is forked at a wait, and the engine names it again after each wait until then).
         worker = self.workers[worker_id]
         if worker.pid is None:
             return f"worker {worker_id}, starting"
@@ -817,14 +829,19 @@ class WorkerPool:
         """What the engine may sleep on: the selector, which an answer, a worker's exit or a
         socket with an outbox left that takes more makes readable; with ``awaited`` (and small
         answers), an epoll that only that worker's answers make readable, besides the rest
-        (``_AwaitedEpoll``). At most the health-check period. Sends what is queued first."""
-        if not self._all_forked:
-            self._fork_the_rest()  # a staggered start's workers that got no task yet
+        (``_AwaitedEpoll``). At most the health-check period. Sends what is queued first.
+
+        A staggered start forks one more worker here; while others wait for theirs, the
+        engine does not sleep (a budget of 0): it looks at what has arrived and comes back
+        for the next fork."""
+        forks_left = not self._all_forked and self._fork_next(awaited)
         self._flush()
         if awaited is not None and self._await_one:
             descriptor = self._awaited_epoll.offer(self.selector, self.workers[awaited])
         else:
             descriptor = self._whole
+        if forks_left:
+            return Waitable(descriptor, 0.0)
         if self._waitable.descriptor is not descriptor:
             self._waitable = Waitable(descriptor, _HEALTH_CHECK_S)
         return self._waitable

@@ -395,17 +395,17 @@ class Orchestrator:
         if self._tuning is not None:
             self._apply_tuning()
         if self._setup.traits.runs_ahead:
-            # The first tasks go out before the workers are named: a pool that starts staggered
-            # (the sync front end) forks each worker but the first as its first task goes out,
-            # so the first starts working while the others are forked. (The next step would
-            # dispatch them anyway; nothing draws from an RNG in between.)
+            # The first tasks go out at once: a pool that starts staggered (the sync front end)
+            # has forked only the first worker, which starts on its task while the waits fork
+            # the others; theirs wait in their sockets. (The next step would dispatch them
+            # anyway; nothing draws from an RNG in between.)
             self._dispatch()
             self._name_workers()
 
     def _name_workers(self) -> None:
-        """Where each worker runs, for stats and messages. Asked again after the first wait:
-        a worker may be named only once it has started (a staggered pool starts the last of
-        its workers at the first wait)."""
+        """Where each worker runs, for stats and messages. Asked again after each wait until
+        every worker is named: a worker may be named only once it has started (a staggered
+        pool forks its workers at the waits, one a wait)."""
         for worker_id in range(self._slots):
             self.stats.where[worker_id] = self._backend.describe(worker_id)
         self._named = not any(w is not None and w.endswith("starting") for w in self.stats.where)

@@ -252,9 +252,8 @@ def _socket_fds(pid: int) -> int:
 def test_a_staggered_start_starts_every_worker_once(
     no_leaks: None, tmp_path: Path, num_batches: int
 ) -> None:
-    """`for` forks worker 0 first and each other worker as its first task goes out, or at the
-    first wait: every worker still starts, once, whether or not it gets a task, and none
-    holds another worker's end of its socket."""
+    """`for` forks worker 0 first and each other worker at a wait: every worker still starts,
+    once, whether or not it gets a task, and none holds another worker's end of its socket."""
     import aioload
     from aioload._backends import process as _workers
 
@@ -266,20 +265,106 @@ def test_a_staggered_start_starts_every_worker_once(
         multiprocessing_context="fork",
     )
     it = iter(loader)
-    first = next(it)
+    batches = [int(next(it))]
     pool = next(p for p in list(_workers._pools) if not p.closed)
-    assert pool.stagger and all(w.process is not None for w in pool.workers)
+    assert pool.stagger and pool.workers[0].pid == batches[0]
+    # The others are forked at the waits that follow the first (all at once where they
+    # have no task): by the time the pass has gone on for as many batches as workers.
+    while len(batches) < num_batches and not all(w.process is not None for w in pool.workers):
+        batches.append(int(next(it)))
+    assert all(w.process is not None for w in pool.workers)
     pids = [w.pid for w in pool.workers]
-    assert int(first) == pids[0]
     # Once every worker has run its worker_init_fn (so it is past the closing of what it
     # inherited), each holds its own socket and no other.
     wait_until(lambda: len(list(tmp_path.iterdir())) >= 3, timeout=30)
     for pid in pids:
         assert pid is not None and _socket_fds(pid) == 1, "a worker holds another's socket"
-    rest = [int(b) for b in it]
-    assert len(rest) == num_batches - 1
+    batches += [int(b) for b in it]
+    assert len(batches) == num_batches
+    # torch's round robin: batch i came from worker i % 3, whenever that worker was forked.
+    assert batches == [pids[i % 3] for i in range(num_batches)]
     started = sorted(p.name for p in tmp_path.iterdir())
     assert started == sorted(f"{i}-{pid}" for i, pid in enumerate(pids))
+
+
+def _spec(num_workers: int) -> object:
+    from aioload._backends.base import WorkerSpec
+
+    return WorkerSpec(
+        dataset=list(range(64)),
+        dataset_kind=0,
+        auto_collation=True,
+        collate_fn=lambda x: x,
+        drop_last=False,
+        worker_init_fn=None,
+        num_workers=num_workers,
+        prefetch_factor=2,
+        multiprocessing_context=None,
+        slab_collate=False,
+    )
+
+
+def test_a_staggered_start_forks_one_worker_a_wait_the_awaited_one_first(
+    no_leaks: None,
+) -> None:
+    """A task for a worker not forked yet waits in its socket; each wait forks one worker
+    (the one the consumer waits for, if it waits for its fork, else the first with a task)
+    and, while others are left, offers no sleep: the first batch is not held up by every
+    other worker's fork. The tasks are all answered."""
+    from aioload._backends.process import WorkerPool
+    from aioload._wire.messages import Answer, PassPlan
+
+    pool = WorkerPool(_spec(4), base_seed=0, stagger=True)  # type: ignore[arg-type]
+    try:
+        pool.start_pass([PassPlan()] * 4)
+        for task_id in range(4):
+            pool.submit(task_id, task_id, [task_id])
+        forked = lambda: [w.process is not None for w in pool.workers]  # noqa: E731
+        assert forked() == [True, False, False, False]
+        assert pool.waitable(awaited=0).budget == 0
+        assert forked() == [True, True, False, False]
+        assert pool.waitable(awaited=3).budget == 0
+        assert forked() == [True, True, False, True]
+        last = pool.waitable(awaited=0)
+        assert forked() == [True] * 4 and last.budget > 0
+        answered: set[int] = set()
+
+        def all_answered() -> bool:
+            answered.update(e.task_id for e in pool.poll() if isinstance(e, Answer))
+            return len(answered) == 4
+
+        wait_until(all_answered, timeout=30)
+    finally:
+        pool.close()
+
+
+def test_a_staggered_start_forks_every_worker_at_once_where_none_has_a_task(
+    no_leaks: None,
+) -> None:
+    """Fewer tasks than workers: the workers with none are forked together at the first wait
+    (torch starts every worker); a slot that num_workers="auto" retired before its fork still
+    gets forked for the task it holds."""
+    from aioload._backends.process import WorkerPool
+    from aioload._wire.messages import PassPlan
+
+    pool = WorkerPool(_spec(4), base_seed=0, stagger=True)  # type: ignore[arg-type]
+    try:
+        pool.start_pass([PassPlan()] * 4)
+        pool.submit(0, 0, [0])
+        assert pool.waitable(awaited=0).budget > 0
+        assert all(w.process is not None for w in pool.workers)
+    finally:
+        pool.close()
+    pool = WorkerPool(_spec(3), base_seed=0, stagger=True)  # type: ignore[arg-type]
+    try:
+        pool.start_pass([PassPlan()] * 3)
+        pool.submit(0, 0, [0])
+        pool.submit(2, 1, [1])
+        pool.activate(1)
+        assert pool.waitable(awaited=2).budget > 0
+        assert [w.process is not None for w in pool.workers] == [True, False, True]
+    finally:
+        pool.close()
 
 
 def test_a_staggered_pool_closed_before_its_first_wait_leaves_nothing(no_leaks: None) -> None:
