@@ -1,6 +1,10 @@
 """Start-up figures, each from fresh processes: ``import aioload`` over ``import torch``, and the
 first batch counted from before ``import aioload`` (:mod:`benchmarks._first_batch`).
 
+    python -m benchmarks.startup [--workers 2 4 8 14] [--rounds 5] [--workload tiny]
+
+prints the first batch at each worker count, aioload's and torch's, alternating, as medians.
+
 Every child runs with bytecode caching on (``PYTHONDONTWRITEBYTECODE`` removed) after
 :func:`compile_package` has written aioload's ``.pyc`` files: torch's own modules are always
 imported from their caches, so without this aioload alone would pay for compiling its sources
@@ -9,6 +13,7 @@ imported from their caches, so without this aioload alone would pay for compilin
 
 from __future__ import annotations
 
+import argparse
 import compileall
 import json
 import os
@@ -106,3 +111,41 @@ def first_batch(
         str(max_size),
     ]
     return _json_child(cmd, timeout_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The first batch at each worker count: a fresh process's, and a later epoch's (the
+    workers start again), for aioload and torch in alternation; medians as a Markdown table."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.startup")
+    p.add_argument("--workload", default="tiny")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8, 14])
+    p.add_argument("--rounds", type=int, default=5)
+    a = p.parse_args(argv)
+    compile_package()
+    loaders = ("torch", "aioload")
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {
+        (loader, n): [] for n in a.workers for loader in loaders
+    }
+    for _ in range(a.rounds):
+        for n in a.workers:
+            for loader in loaders:
+                runs[loader, n].append(first_batch(loader, a.workload, a.batch_size, n, 0, ""))
+
+    def ms(loader: str, n: int, key: str) -> float:
+        return 1e3 * statistics.median(float(r[key]) for r in runs[loader, n])
+
+    print(f"{a.workload} (batch {a.batch_size}), medians of {a.rounds} fresh processes each")
+    print("| workers | fresh process, aioload / torch | later epoch, aioload / torch |")
+    print("|---|---|---|")
+    for n in a.workers:
+        cells = [
+            f"{ms('aioload', n, key):.0f} ms / {ms('torch', n, key):.0f} ms"
+            for key in ("first_batch_s", "later_epoch_first_batch_s")
+        ]
+        print(f"| {n} | {cells[0]} | {cells[1]} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

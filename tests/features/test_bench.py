@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import machine_profile, report, runner, sweep
+from benchmarks import machine_profile, report, runner, startup, sweep
 from benchmarks.__main__ import main as bench_main
 
 
@@ -52,6 +52,20 @@ def test_tiny_bench_prints_floors_and_targets(
     ):
         line = next((ln for ln in out.splitlines() if needle in ln), "")
         assert line.strip().startswith(("PASS", "FAIL")), (needle, out)
+
+
+def test_the_startup_bench_prints_the_first_batch_at_each_worker_count(
+    no_leaks: Iterator[None], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert startup.main(["--workers", "1", "2", "--rounds", "1", "--batch-size", "4"]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ")]
+    assert [row.split("|")[1].strip() for row in rows[1:]] == ["1", "2"]
+    for row in rows[1:]:
+        # Two cells, each "<aioload> ms / <torch> ms", from real runs.
+        cells = [cell.strip() for cell in row.split("|")[2:4]]
+        for cell in cells:
+            aio, torch_ms = (float(part.removesuffix(" ms")) for part in cell.split(" / "))
+            assert aio > 0 and torch_ms > 0, row
 
 
 def test_targets_judge_the_figures() -> None:
