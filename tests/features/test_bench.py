@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import machine_profile, report, runner, startup, sweep
+from benchmarks import instructions, machine_profile, report, runner, startup, sweep
 from benchmarks.__main__ import main as bench_main
 
 
@@ -66,6 +66,23 @@ def test_the_startup_bench_prints_the_first_batch_at_each_worker_count(
         for cell in cells:
             aio, torch_ms = (float(part.removesuffix(" ms")) for part in cell.split(" / "))
             assert aio > 0 and torch_ms > 0, row
+
+
+def test_instruction_counts_become_the_models_figures() -> None:
+    """Two runs' counts: per batch is their difference over the batches between them (start-up
+    cancels), each of 2 workers did half the batches, and the 16-core figure is the parent's
+    instructions at the floor's rate there (tiny: 3.5 us a sample)."""
+    short = {"main": 5_000_000_000, "children": [4_000_000_000, 4_100_000_000]}
+    long = {"main": 5_080_000_000, "children": [5_750_000_000, 5_850_000_000]}
+    parent = instructions.per_batch(short, long, 100, 600)
+    assert parent["main"] == 160_000
+    assert parent["worker"] == [7_000_000, 7_000_000]
+    floor = instructions.per_batch({"main": 10, "children": []}, {"main": 7_000_010}, 0, 1)
+    assert floor == {"main": 7_000_000}
+    figures = instructions.model_figures(160_000, [7_070_000], 7_000_000, "tiny")
+    assert abs(figures["o_instructions"] - 0.01) < 1e-9
+    # 7M instructions make 256 samples in 256 x 3.5 us: 160K take 160/7000 of that.
+    assert abs(figures["parent_us_16"] - 160_000 / 7_000_000 * 256 * 3.5) < 1e-6
 
 
 def test_targets_judge_the_figures() -> None:

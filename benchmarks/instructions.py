@@ -1,0 +1,179 @@
+"""The many-core model's inputs as instruction counts, which a shared 2-core machine does not
+disturb: its CPU times move with the hour, and with three processes on two cores each one's
+CPU time includes what sharing a core costs it (cold caches after every switch).
+
+    python -m benchmarks.instructions [--workload tiny] [--batches 100 600]
+
+Runs under valgrind's cachegrind (``--cache-sim=no``: it counts the instructions each process
+executes in user space) and reports, per batch:
+
+- the parent: aioload, ``for``, 2 workers, the consumer doing nothing;
+- each worker: the same run's worker processes;
+- the floor: the same samples made and stacked in one process (``benchmarks.floor``'s stacker).
+
+Each figure is the difference between a run of ``N1`` and one of ``N2`` batches, over
+``N2 - N1``, so imports and start-up cancel. What this leaves out: the kernel's instructions
+(system calls, page faults, wake-ups) and the time memory stalls take, which are real costs
+that only a CPU-time measurement on the large machine shows. The parent's figure is also
+taken with the workers slowed down by valgrind, so it waits for every batch, as it does on a
+many-core machine.
+
+On the 16-core machine the floor's instructions take ``benchmarks.auto.FLOOR_16``'s time per
+sample; the parent's instructions, at the same rate, give its user-space CPU per batch there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.auto import FLOOR_16
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH_SIZE = {"tiny": 256, "image": 64}
+SIZE = {"tiny": 10_000_000, "image": 2_000_000}
+
+
+def _child(role: str, batches: int, workload: str) -> None:
+    """One counted run, in the process valgrind started (its pid is printed for the parent)."""
+    from benchmarks.workloads import make_dataset
+
+    print(json.dumps({"pid": os.getpid()}), flush=True)
+    dataset: Any = make_dataset(workload, SIZE[workload], 0)
+    batch_size = BATCH_SIZE[workload]
+    if role == "parent":
+        import aioload
+
+        loader = aioload.DataLoader(dataset, batch_size=batch_size, num_workers=2)
+        it = iter(loader)
+        for _ in range(batches):
+            batch = next(it)
+            del batch
+        del it, loader
+    else:
+        from benchmarks.floor import _Stacker
+
+        stacker = _Stacker()
+        for k in range(batches):
+            start = k * batch_size
+            stacker.stack([dataset[i] for i in range(start, start + batch_size)])
+
+
+def _summary_instructions(path: Path) -> int:
+    for line in path.read_text().splitlines():
+        if line.startswith("summary:"):
+            return int(line.split()[1])
+    raise ValueError(f"no summary line in {path}")
+
+
+def count(role: str, batches: int, workload: str) -> dict[str, Any]:
+    """Instructions of one run: {"main": the process valgrind started, "children": the others'}."""
+    with tempfile.TemporaryDirectory(prefix="aioload-cg-") as out:
+        cmd = [
+            "valgrind",
+            "--tool=cachegrind",
+            "--cache-sim=no",
+            f"--cachegrind-out-file={out}/cg.%p",
+            sys.executable,
+            "-m",
+            "benchmarks.instructions",
+            "--child",
+            role,
+            "--batches",
+            str(batches),
+            str(batches),
+            "--workload",
+            workload,
+        ]
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+        )
+        res = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=1800, env=env, check=False
+        )
+        if res.returncode != 0:
+            raise RuntimeError(f"{role} {batches}: exit {res.returncode}: {res.stderr[-2000:]}")
+        pid = json.loads(res.stdout.strip().splitlines()[0])["pid"]
+        counts = {
+            int(p.name.split(".")[-1]): _summary_instructions(p) for p in Path(out).glob("cg.*")
+        }
+    main = counts.pop(pid)
+    return {"main": main, "children": sorted(counts.values())}
+
+
+def per_batch(
+    short: dict[str, Any], long: dict[str, Any], n_short: int, n_long: int
+) -> dict[str, Any]:
+    """Instructions per batch from two runs' counts: the main process's, and the children's
+    (paired by size: the workers of a run started alike)."""
+    span = n_long - n_short
+    result: dict[str, Any] = {"main": (long["main"] - short["main"]) / span}
+    if short["children"] and len(short["children"]) == len(long["children"]):
+        # Each worker did about half of the batches: its count over half the span.
+        each = len(long["children"])
+        result["worker"] = [
+            (b - a) / (span / each)
+            for a, b in zip(short["children"], long["children"], strict=True)
+        ]
+    return result
+
+
+def model_figures(
+    parent: float, workers: list[float], floor: float, workload: str
+) -> dict[str, float]:
+    """What the counts say for the model (docs/benchmarks.md, "Many cores"): the worker's
+    instructions over the floor's, the parent's as a share of a batch's floor work, and the
+    parent's user-space CPU per batch on the 16-core machine at the floor's rate there."""
+    floors = FLOOR_16[workload]
+    smallest = min(floors)
+    sample_s = smallest / floors[smallest]  # one floor process's time per sample there
+    batch = BATCH_SIZE[workload]
+    instructions_per_s = (floor / batch) / sample_s
+    worker = sum(workers) / len(workers) if workers else float("nan")
+    return {
+        "parent_per_batch": parent,
+        "worker_per_batch": worker,
+        "floor_per_batch": floor,
+        "o_instructions": worker / floor - 1.0,
+        "parent_share_of_floor_batch": parent / floor,
+        "parent_us_16": parent / instructions_per_s * 1e6,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.instructions")
+    p.add_argument("--workload", choices=sorted(BATCH_SIZE), default="tiny")
+    p.add_argument("--batches", type=int, nargs=2, default=[100, 600], metavar=("N1", "N2"))
+    p.add_argument("--child", choices=("parent", "floor"), help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        _child(a.child, a.batches[0], a.workload)
+        return 0
+    if shutil.which("valgrind") is None:
+        print("valgrind is not installed: nothing to count", file=sys.stderr)
+        return 2
+    n1, n2 = a.batches
+    runs = {(role, n): count(role, n, a.workload) for role in ("floor", "parent") for n in (n1, n2)}
+    parent = per_batch(runs["parent", n1], runs["parent", n2], n1, n2)
+    floor = per_batch(runs["floor", n1], runs["floor", n2], n1, n2)
+    figures = model_figures(parent["main"], parent.get("worker", []), floor["main"], a.workload)
+    print(json.dumps({"workload": a.workload, "batches": [n1, n2]} | figures, indent=1))
+    print(
+        f"{a.workload}: parent {figures['parent_per_batch'] / 1e3:.0f}K instructions a batch "
+        f"({figures['parent_share_of_floor_batch']:.1%} of the floor's batch), "
+        f"worker {figures['o_instructions']:+.1%} over the floor's "
+        f"{figures['floor_per_batch'] / 1e6:.2f}M; the parent on the 16-core machine: "
+        f"{figures['parent_us_16']:.0f} us a batch in user space"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
