@@ -16,6 +16,7 @@ import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -23,6 +24,9 @@ from aioload._wire import channel as _channel
 from aioload._wire import slabs as _transport
 from aioload._worker import main as _worker_main
 from tests.helpers import run_fresh, wait_until
+
+if TYPE_CHECKING:
+    from aioload._backends.base import WorkerSpec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -287,7 +291,7 @@ def test_a_staggered_start_starts_every_worker_once(
     assert started == sorted(f"{i}-{pid}" for i, pid in enumerate(pids))
 
 
-def _spec(num_workers: int) -> object:
+def _spec(num_workers: int) -> WorkerSpec:
     from aioload._backends.base import WorkerSpec
 
     return WorkerSpec(
@@ -314,7 +318,7 @@ def test_a_staggered_start_forks_one_worker_a_wait_the_awaited_one_first(
     from aioload._backends.process import WorkerPool
     from aioload._wire.messages import Answer, PassPlan
 
-    pool = WorkerPool(_spec(4), base_seed=0, stagger=True)  # type: ignore[arg-type]
+    pool = WorkerPool(_spec(4), base_seed=0, stagger=True)
     try:
         pool.start_pass([PassPlan()] * 4)
         for task_id in range(4):
@@ -347,7 +351,7 @@ def test_a_staggered_start_forks_every_worker_at_once_where_none_has_a_task(
     from aioload._backends.process import WorkerPool
     from aioload._wire.messages import PassPlan
 
-    pool = WorkerPool(_spec(4), base_seed=0, stagger=True)  # type: ignore[arg-type]
+    pool = WorkerPool(_spec(4), base_seed=0, stagger=True)
     try:
         pool.start_pass([PassPlan()] * 4)
         pool.submit(0, 0, [0])
@@ -355,7 +359,7 @@ def test_a_staggered_start_forks_every_worker_at_once_where_none_has_a_task(
         assert all(w.process is not None for w in pool.workers)
     finally:
         pool.close()
-    pool = WorkerPool(_spec(3), base_seed=0, stagger=True)  # type: ignore[arg-type]
+    pool = WorkerPool(_spec(3), base_seed=0, stagger=True)
     try:
         pool.start_pass([PassPlan()] * 3)
         pool.submit(0, 0, [0])
@@ -369,21 +373,9 @@ def test_a_staggered_start_forks_every_worker_at_once_where_none_has_a_task(
 
 def test_a_staggered_pool_closed_before_its_first_wait_leaves_nothing(no_leaks: None) -> None:
     from aioload._backends import process as _workers
-    from aioload._backends.base import WorkerSpec
     from aioload._backends.process import WorkerPool
 
-    spec = WorkerSpec(
-        dataset=list(range(4)),
-        dataset_kind=0,
-        auto_collation=True,
-        collate_fn=lambda x: x,
-        drop_last=False,
-        worker_init_fn=None,
-        num_workers=3,
-        prefetch_factor=2,
-        multiprocessing_context=None,
-        slab_collate=False,
-    )
+    spec = _spec(3)
     before = len(os.listdir("/proc/self/fd"))
     pool = WorkerPool(spec, base_seed=0, stagger=True)
     assert [w.process is not None for w in pool.workers] == [True, False, False]
