@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.auto import FLOOR_16
+from benchmarks.startup import child_env
 
-ROOT = Path(__file__).resolve().parents[1]
 BATCH_SIZE = {"tiny": 256, "image": 64}
 SIZE = {"tiny": 10_000_000, "image": 2_000_000}
 
@@ -92,11 +92,8 @@ def count(role: str, batches: int, workload: str) -> dict[str, Any]:
             "--workload",
             workload,
         ]
-        env = dict(
-            os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-        )
         res = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=1800, env=env, check=False
+            cmd, capture_output=True, text=True, timeout=1800, env=child_env(), check=False
         )
         if res.returncode != 0:
             raise RuntimeError(f"{role} {batches}: exit {res.returncode}: {res.stderr[-2000:]}")

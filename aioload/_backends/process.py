@@ -474,8 +474,8 @@ class WorkerPool:
         # The last Waitable offered: a wait offers the same descriptor as the last one nearly
         # always, and the engine waits up to once a batch.
         self._waitable = Waitable(self._whole, _HEALTH_CHECK_S)
-        # Whether every worker has been forked (a staggered start forks the last of them at
-        # its first task or wait): from then on, waits and tasks look for no worker to fork.
+        # Whether every worker has been forked (a staggered start forks them at its waits,
+        # ``_fork_next``): from then on, waits look for no worker to fork.
         # A replacement is forked as it is made (``_spawn``), so this stays true.
         self._all_forked = False
         # This pass's plan for each worker (a replacement gets its slot's plan again).
