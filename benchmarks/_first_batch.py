@@ -3,7 +3,7 @@
 Usage (internal)::
 
     python .../benchmarks/_first_batch.py --loader torch|aioload --workload tiny \
-        --batch-size 256 --num-workers 2 [--cpu-iters N] [--repo DIR]
+        --batch-size 256 --num-workers 2 [--cpu-iters N] [--repo DIR] [--front async]
 
 Run by path, so that nothing of the ``aioload`` package is imported before the clock starts:
 ``sys.path[0]`` is this folder, and the workload module is loaded from it as a plain module.
@@ -16,11 +16,15 @@ Prints one JSON object on the last line of stdout:
 * ``later_epoch_first_batch_s``: in the same process, after one full (short) epoch, from
   ``iter(loader)`` of the second epoch to its first batch. ``persistent_workers`` is off, so
   both loaders start their workers again.
+
+``--front async`` (aioload only) takes the batches with ``async for`` under ``asyncio.run``,
+which starts before the clock: the same two figures, from the event loop.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import json
 import sys
@@ -54,7 +58,10 @@ def main() -> int:
     p.add_argument("--repo", default="", help="put this folder first on sys.path")
     p.add_argument("--url", default="", help="the HTTP server (http workload)")
     p.add_argument("--max-size", type=int, default=0, help="at most this many samples")
+    p.add_argument("--front", choices=("sync", "async"), default="sync")
     a = p.parse_args()
+    if a.front == "async" and a.loader != "aioload":
+        p.error("--front async is aioload's")
     if a.repo:
         sys.path.insert(0, a.repo)
     workloads = _load_workloads()
@@ -72,8 +79,34 @@ def main() -> int:
         raise SystemExit(f"aioload was imported before the clock started: {preloaded}")
     torch.set_num_threads(torch.get_num_threads())  # settle torch's lazy thread-pool set-up
 
+    if a.front == "async":
+        times = asyncio.run(_timed_async(a.batch_size, a.num_workers, dataset, extra))
+    else:
+        times = _timed_sync(a.loader, a.batch_size, a.num_workers, dataset, extra)
+    import_s, first_s, later_s, n = times
+    print(
+        json.dumps(
+            {
+                "loader": a.loader,
+                "workload": a.workload,
+                "front": a.front,
+                "import_s": import_s,
+                "first_batch_s": first_s,
+                "later_epoch_first_batch_s": later_s,
+                "batches": n,
+            }
+        )
+    )
+    return 0
+
+
+def _timed_sync(
+    loader_name: str, batch_size: int, num_workers: int, dataset: Any, extra: dict[str, Any]
+) -> tuple[float, float, float, int]:
+    """The import, the first batch (both from before the import), the later epoch's first
+    batch, and the batches of the first epoch, under ``for``."""
     t0 = time.perf_counter()
-    if a.loader == "aioload":
+    if loader_name == "aioload":
         import aioload
 
         cls: Any = aioload.DataLoader
@@ -82,7 +115,7 @@ def main() -> int:
 
         cls = DataLoader
     t_imported = time.perf_counter()
-    loader = cls(dataset, batch_size=a.batch_size, num_workers=a.num_workers, **extra)
+    loader = cls(dataset, batch_size=batch_size, num_workers=num_workers, **extra)
     it = iter(loader)
     first = next(it)
     t_first = time.perf_counter()
@@ -100,19 +133,36 @@ def main() -> int:
     for batch in it:
         del batch
     del it, loader
-    print(
-        json.dumps(
-            {
-                "loader": a.loader,
-                "workload": a.workload,
-                "import_s": t_imported - t0,
-                "first_batch_s": t_first - t0,
-                "later_epoch_first_batch_s": t_second - t1,
-                "batches": n,
-            }
-        )
-    )
-    return 0
+    return t_imported - t0, t_first - t0, t_second - t1, n
+
+
+async def _timed_async(
+    batch_size: int, num_workers: int, dataset: Any, extra: dict[str, Any]
+) -> tuple[float, float, float, int]:
+    """``_timed_sync`` for aioload under ``async for``."""
+    t0 = time.perf_counter()
+    import aioload
+
+    t_imported = time.perf_counter()
+    loader = aioload.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers, **extra)
+    it = aiter(loader)
+    first = await anext(it)
+    t_first = time.perf_counter()
+    n = 1
+    del first
+    async for batch in it:
+        n += 1
+        del batch
+    del it
+    t1 = time.perf_counter()
+    it = aiter(loader)
+    second = await anext(it)
+    t_second = time.perf_counter()
+    del second
+    async for batch in it:
+        del batch
+    del it, loader
+    return t_imported - t0, t_first - t0, t_second - t1, n
 
 
 if __name__ == "__main__":

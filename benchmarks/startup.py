@@ -3,7 +3,8 @@ first batch counted from before ``import aioload`` (:mod:`benchmarks._first_batc
 
     python -m benchmarks.startup [--workers 2 4 8 14] [--rounds 5] [--workload tiny]
 
-prints the first batch at each worker count, aioload's and torch's, alternating, as medians.
+prints the first batch at each worker count, aioload's (under ``for`` and ``async for``) and
+torch's, alternating, as medians.
 
 Every child runs with bytecode caching on (``PYTHONDONTWRITEBYTECODE`` removed) after
 :func:`compile_package` has written aioload's ``.pyc`` files: torch's own modules are always
@@ -88,6 +89,7 @@ def first_batch(
     url: str,
     timeout_s: float = 300.0,
     max_size: int = 0,
+    front: str = "sync",
 ) -> dict[str, Any]:
     """One fresh process: first batch from before the import, and a later epoch's first."""
     cmd = [
@@ -109,6 +111,8 @@ def first_batch(
         url,
         "--max-size",
         str(max_size),
+        "--front",
+        front,
     ]
     return _json_child(cmd, timeout_s)
 
@@ -123,24 +127,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     a = p.parse_args(argv)
     compile_package()
-    loaders = ("torch", "aioload")
-    runs: dict[tuple[str, int], list[dict[str, Any]]] = {
-        (loader, n): [] for n in a.workers for loader in loaders
+    # (loader, front): torch's under ``for``, aioload's under ``for`` and ``async for``.
+    kinds = (("torch", "sync"), ("aioload", "sync"), ("aioload", "async"))
+    runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {
+        (loader, front, n): [] for n in a.workers for loader, front in kinds
     }
     for _ in range(a.rounds):
         for n in a.workers:
-            for loader in loaders:
-                runs[loader, n].append(first_batch(loader, a.workload, a.batch_size, n, 0, ""))
+            for loader, front in kinds:
+                record = first_batch(loader, a.workload, a.batch_size, n, 0, "", front=front)
+                runs[loader, front, n].append(record)
 
-    def ms(loader: str, n: int, key: str) -> float:
-        return 1e3 * statistics.median(float(r[key]) for r in runs[loader, n])
+    def ms(kind: tuple[str, str], n: int, key: str) -> str:
+        return f"{1e3 * statistics.median(float(r[key]) for r in runs[(*kind, n)]):.0f} ms"
 
     print(f"{a.workload} (batch {a.batch_size}), medians of {a.rounds} fresh processes each")
-    print("| workers | fresh process, aioload / torch | later epoch, aioload / torch |")
+    print("| workers | fresh process: aioload for / async for / torch | later epoch: the same |")
     print("|---|---|---|")
     for n in a.workers:
         cells = [
-            f"{ms('aioload', n, key):.0f} ms / {ms('torch', n, key):.0f} ms"
+            " / ".join(ms(kind, n, key) for kind in (kinds[1], kinds[2], kinds[0]))
             for key in ("first_batch_s", "later_epoch_first_batch_s")
         ]
         print(f"| {n} | {cells[0]} | {cells[1]} |")

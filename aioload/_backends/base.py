@@ -66,8 +66,9 @@ OUT_OF_PROCESS = BackendTraits(slow_start=True, runs_ahead=True)
 
 class CallerWork(Protocol):
     """Work that a backend must run in the caller before its ``poll`` can have an answer: the
-    fetch itself, where the calling process is the worker (``num_workers=0``). The engine runs
-    it in place of a sleep, since no other thread or process would: a sleep would never end.
+    fetch itself, where the calling process is the worker (``num_workers=0``), or the fork of
+    a worker that has a task waiting (a staggered start). The engine runs it in place of a
+    sleep, since no other thread or process would: a sleep would never end.
     The backend hands it over in its ``Waitable``, wait by wait, so the engine never asks
     which kind of backend it drives, and one backend may need it for some waits only (the
     calling process with no task left sleeps until its pin stage hands a batch back)."""
@@ -119,8 +120,8 @@ class WorkerBackend(Protocol):
 
     def waitable(self, awaited: int | None) -> Waitable:
         """What the engine may sleep on before its next ``poll``, asked just before it sleeps:
-        so a backend also sends here what it still holds back (a staggered start's forks,
-        outboxes), since the workers must have it while the engine sleeps.
+        so a backend also sends here what it still holds back (outboxes), since the workers
+        must have it while the engine sleeps.
 
         The engine does the waiting, not the backend: it also waits on descriptors of its own
         (the pin stage's), and one sleep must cover both, under asyncio, uvloop and trio and in

@@ -69,9 +69,8 @@ def choose_backend(
             return workers.make_backend(spec, seed)
         from .process import WorkerPool
 
-        # Staggered under `for` (see WorkerPool._start); under `async for` the pool starts
-        # in a thread, and its forks must not run on the loop later.
-        return WorkerPool(spec, seed, stagger=not async_front)
+        # Worker 0 forked now, the others at the engine's waits (see WorkerPool._start).
+        return WorkerPool(spec, seed, stagger=True)
 
     make, owned = keeper.for_pass(make_workers, base_seed)
     return BackendChoice(make, OUT_OF_PROCESS, owned)

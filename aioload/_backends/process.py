@@ -22,6 +22,7 @@ import select
 import selectors
 import signal
 import socket
+import threading
 import time
 import warnings
 import weakref
@@ -29,7 +30,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from .._aio.waiting import Descriptor
+from .._aio.waiting import Descriptor, run_off_loop
 from .._wire.channel import ChannelClosed, ParentChannel
 from .._wire.messages import (
     Answer,
@@ -451,9 +452,10 @@ class WorkerPool:
 
     def __init__(self, spec: WorkerSpec, base_seed: int, *, stagger: bool = False) -> None:
         self.spec = spec
-        # Fork worker 0 now and the others as their first task goes out (see _start).
+        # Fork worker 0 now and the others at the waits (NOTE [staggered start]).
         self.stagger = stagger
         self.num_workers = spec.num_workers
+        self._staggered = _StaggeredStart(self) if stagger else None
         self.base_seed = base_seed
         self.generation = 0
         self.passes = 0
@@ -474,10 +476,9 @@ class WorkerPool:
         # The last Waitable offered: a wait offers the same descriptor as the last one nearly
         # always, and the engine waits up to once a batch.
         self._waitable = Waitable(self._whole, _HEALTH_CHECK_S)
-        # Whether every worker has been forked (a staggered start forks them at its waits,
-        # ``_fork_next``): from then on, waits look for no worker to fork.
-        # A replacement is forked as it is made (``_spawn``), so this stays true.
-        self._all_forked = False
+        # Held by a staggered start's forks and by close (NOTE [staggered start]). Reentrant:
+        # a finalizer run by the collector inside a fork may close this pool.
+        self.fork_lock = threading.RLock()
         # This pass's plan for each worker (a replacement gets its slot's plan again).
         self.plans: list[PassPlan] = [PassPlan()] * self.num_workers
         # When poll() next looks for a worker that exited unseen (_check_health).
@@ -502,18 +503,7 @@ class WorkerPool:
         self._payload = _payload(
             (spec.dataset, spec.collate_fn, spec.worker_init_fn), forking=self._forking
         )
-        # NOTE [staggered start]. The sync front end's pool forks worker 0 here and each
-        # other worker at a wait, one fork per wait (``_fork_next``), not as its first task
-        # goes out. A fork costs the parent milliseconds (most of it copying its page
-        # tables), and forking them all before the first wait made the first batch wait for
-        # every fork: its time grew with num_workers. Now worker 0 starts on the first batch
-        # while the parent forks the others, and the parent takes that batch in between two
-        # forks. A task sent to a worker not forked yet waits in its socket; the consumer's
-        # own worker, when it waits for one, is forked first. Every worker is still started,
-        # as torch starts them all: those that got no task (fewer tasks than workers) are
-        # forked together at the first wait that finds no other to fork.
-        # Under async for the pool starts in a thread, and a fork on the loop would stall
-        # it: every worker is forked there, at once.
+        # Worker 0 now, the others at the waits (NOTE [staggered start]: _StaggeredStart).
         try:
             for worker_id in range(self.num_workers):
                 # (Each socket is made after the previous fork: no worker inherits the end of
@@ -564,25 +554,6 @@ class WorkerPool:
         )
         _start_process(self._ctx, worker, target=worker_main, config=config)
         self.selector.register(worker.process.sentinel, selectors.EVENT_READ, (worker, "exit"))
-
-    def _fork_next(self, awaited: int | None) -> bool:
-        """One step of a staggered start, taken at a wait (NOTE [staggered start]): fork the
-        awaited worker if it waits for its fork, else the first with a task waiting; where
-        none has one, every active worker left. True while a worker with a task, or an
-        active one, still waits for its fork."""
-        # (Not one whose socket is already closed: its pool is closing. A slot that
-        # num_workers="auto" retired before its fork still answers the tasks it was given.)
-        waiting = [
-            w
-            for w in self.workers
-            if w.child_end is not None and (w.tasked or w.worker_id < self.active)
-        ]
-        chosen = [w for w in waiting if w.worker_id == awaited] or [w for w in waiting if w.tasked]
-        for worker in chosen[:1] or waiting:
-            self._fork(worker)
-        # (A worker waiting for its fork beyond the active ones is forked when activated.)
-        self._all_forked = all(worker.child_end is None for worker in self.workers)
-        return len(chosen) > 0 and len(waiting) > 1
 
     def _unregister(self, worker: _WorkerHandle) -> None:
         """Close a worker's socket, both ends (one that never got a process)."""
@@ -831,17 +802,16 @@ class WorkerPool:
         answers), an epoll that only that worker's answers make readable, besides the rest
         (``_AwaitedEpoll``). At most the health-check period. Sends what is queued first.
 
-        A staggered start forks one more worker here; while others wait for theirs, the
-        engine does not sleep (a budget of 0): it looks at what has arrived and comes back
-        for the next fork."""
-        forks_left = not self._all_forked and self._fork_next(awaited)
+        A staggered start offers the next fork instead, as work to run in place of a sleep
+        (NOTE [staggered start]); the engine then looks at what has arrived and comes back
+        for the fork after it."""
         self._flush()
+        if self._staggered is not None and (fork := self._staggered.offer(awaited)):
+            return fork
         if awaited is not None and self._await_one:
             descriptor = self._awaited_epoll.offer(self.selector, self.workers[awaited])
         else:
             descriptor = self._whole
-        if forks_left:
-            return Waitable(descriptor, 0.0)
         if self._waitable.descriptor is not descriptor:
             self._waitable = Waitable(descriptor, _HEALTH_CHECK_S)
         return self._waitable
@@ -862,9 +832,14 @@ class WorkerPool:
     def close(self, grace: float = SHUTDOWN_GRACE_S) -> None:
         """Stop every worker and release every resource. Bounded: at most ``grace`` seconds
         of waiting, then SIGKILL. Safe to call twice, from a finalizer, or after a fork."""
-        if self.closed or os.getpid() != self._owner_pid:
+        if os.getpid() != self._owner_pid:
             return
-        self.closed = True
+        # (After a staggered start's fork in another thread, if one runs: it then forks no
+        # more, and this stops the one it forked.)
+        with self.fork_lock:
+            if self.closed:
+                return
+            self.closed = True
         self.retired = True
         # 1. Close our ends first. An idle worker sees EOF in its poll() and leaves at once; a
         #    busy one gets EPIPE on its next answer. No "stop" message is needed, and none can
@@ -886,6 +861,72 @@ class WorkerPool:
         with contextlib.suppress(Exception):
             self.selector.close()
         self.releases.clear()
+
+
+class _StaggeredStart:
+    """NOTE [staggered start]. A pool forks worker 0 as it starts and each other worker at
+    one of the engine's waits, one fork per wait, not as its first task goes out. A fork
+    costs the parent milliseconds (most of it copying its page tables), and forking them all
+    before the first wait made the first batch wait for every fork: its time grew with
+    num_workers. Now worker 0 starts on the first batch while the parent forks the others,
+    and the parent takes that batch in between two forks. A task sent to a worker not forked
+    yet waits in its socket; the consumer's own worker, when it waits for one, is forked
+    first. Every worker is still started, as torch starts them all: those that got no task
+    (fewer tasks than workers) are forked together at the first wait that finds no other.
+
+    Each fork is work that the engine runs in place of a sleep (``CallerWork``): under
+    ``for`` in the calling thread; under ``async for`` in a thread of its own, as the pool's
+    start is. Not on the loop's thread: a child forked there would inherit that thread's
+    state (its running event loop, a trio run) and could not run a loop of its own. A fork
+    holds the GIL, so the loop stalls for it either way; the thread spares it the rest of a
+    process's start.
+
+    A native ``Task.cancel()`` ends the await of such a thread while its fork goes on (see
+    ``run_off_loop``): the pool's ``fork_lock`` makes a close wait for that fork (and stop
+    the worker it made), and a fork offered before the close forks nothing after it.
+    """
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+        # Whether every worker has been forked: from then on, waits look for none to fork.
+        # (A replacement is forked as it is made, ``WorkerPool._spawn``, so this stays true.)
+        self.done = pool.num_workers == 1
+        self._forks: list[_WorkerHandle] = []
+
+    def offer(self, awaited: int | None) -> Waitable | None:
+        """This wait's fork, as the engine's work: the awaited worker if it waits for its
+        fork, else the first with a task waiting; where none has one, every active worker
+        left. None where no worker with a task, and no active one, waits for its fork."""
+        if self.done:
+            return None
+        # (Not one whose socket is already closed: its pool is closing. A slot that
+        # num_workers="auto" retired before its fork still answers the tasks it was given;
+        # one beyond the active ones is forked when activated.)
+        waiting = [
+            w
+            for w in self.pool.workers
+            if w.child_end is not None and (w.tasked or w.worker_id < self.pool.active)
+        ]
+        chosen = [w for w in waiting if w.worker_id == awaited] or [w for w in waiting if w.tasked]
+        self._forks = chosen[:1] or waiting
+        return Waitable(work=self) if self._forks else None
+
+    async def work(self) -> None:
+        await run_off_loop(functools.partial(self._fork_each, self._forks))
+
+    def work_blocking(self) -> bool:
+        self._fork_each(self._forks)
+        return True
+
+    def _fork_each(self, workers: list[_WorkerHandle]) -> None:
+        pool = self.pool
+        with pool.fork_lock:
+            if pool.closed:
+                return
+            for worker in workers:
+                if worker.child_end is not None:
+                    pool._fork(worker)
+            self.done = all(worker.child_end is None for worker in pool.workers)
 
 
 def _conforms(pool: WorkerPool) -> tuple[WorkerBackend, TunableBackend]:

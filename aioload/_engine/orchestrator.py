@@ -395,10 +395,10 @@ class Orchestrator:
         if self._tuning is not None:
             self._apply_tuning()
         if self._setup.traits.runs_ahead:
-            # The first tasks go out at once: a pool that starts staggered (the sync front end)
-            # has forked only the first worker, which starts on its task while the waits fork
-            # the others; theirs wait in their sockets. (The next step would dispatch them
-            # anyway; nothing draws from an RNG in between.)
+            # The first tasks go out at once: a pool that starts staggered has forked only the
+            # first worker, which starts on its task while the waits fork the others; theirs
+            # wait in their sockets. (The next step would dispatch them anyway; nothing draws
+            # from an RNG in between.)
             self._dispatch()
             self._name_workers()
 

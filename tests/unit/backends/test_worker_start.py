@@ -9,14 +9,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
 import textwrap
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -216,7 +219,7 @@ def test_read_buffer_is_resident_only_where_written() -> None:
     assert bytes(buffer[:10]) == b"0123456789"
 
 
-# -- a staggered start (the sync front end) ------------------------------------------------
+# -- a staggered start ------------------------------------------------------------------------
 
 
 class _Pids:
@@ -240,24 +243,27 @@ def _note_pid(seen: Path) -> Callable[[int], None]:
     return init
 
 
-def _socket_fds(pid: int) -> int:
-    fd_dir = Path(f"/proc/{pid}/fd")
-    count = 0
-    for fd in fd_dir.iterdir():
+def _sockets(pid: int) -> set[str]:
+    """The sockets a process holds, as /proc names them ("socket:[inode]")."""
+    names = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
-            if os.readlink(fd).startswith("socket:"):
-                count += 1
+            name = os.readlink(fd)
         except OSError:
-            pass
-    return count
+            continue
+        if name.startswith("socket:"):
+            names.add(name)
+    return names
 
 
+@pytest.mark.parametrize("front", ["for", "async for"])
 @pytest.mark.parametrize("num_batches", [1, 8], ids=["fewer-batches-than-workers", "many"])
 def test_a_staggered_start_starts_every_worker_once(
-    no_leaks: None, tmp_path: Path, num_batches: int
+    no_leaks: None, tmp_path: Path, num_batches: int, front: str
 ) -> None:
-    """`for` forks worker 0 first and each other worker at a wait: every worker still starts,
-    once, whether or not it gets a task, and none holds another worker's end of its socket."""
+    """Worker 0 is forked first and each other worker at a wait (under ``async for``, in a
+    thread): every worker still starts, once, whether or not it gets a task, and none holds
+    another worker's end of its socket."""
     import aioload
     from aioload._backends import process as _workers
 
@@ -268,27 +274,56 @@ def test_a_staggered_start_starts_every_worker_once(
         worker_init_fn=_note_pid(tmp_path),
         multiprocessing_context="fork",
     )
-    it = iter(loader)
-    batches = [int(next(it))]
-    pool = next(p for p in list(_workers._pools) if not p.closed)
-    assert pool.stagger and pool.workers[0].pid == batches[0]
-    # The others are forked at the waits that follow the first (all at once where they
-    # have no task): by the time the pass has gone on for as many batches as workers.
-    while len(batches) < num_batches and not all(w.process is not None for w in pool.workers):
-        batches.append(int(next(it)))
-    assert all(w.process is not None for w in pool.workers)
-    pids = [w.pid for w in pool.workers]
-    # Once every worker has run its worker_init_fn (so it is past the closing of what it
-    # inherited), each holds its own socket and no other.
-    wait_until(lambda: len(list(tmp_path.iterdir())) >= 3, timeout=30)
-    for pid in pids:
-        assert pid is not None and _socket_fds(pid) == 1, "a worker holds another's socket"
-    batches += [int(b) for b in it]
+
+    def pool() -> Any:
+        return next(p for p in list(_workers._pools) if not p.closed)
+
+    def more(batches: list[int]) -> bool:
+        # The others are forked at the waits that follow the first (all at once where they
+        # have no task): by the time the pass has gone on for as many batches as workers.
+        return len(batches) < num_batches and not all(w.process for w in pool().workers)
+
+    def started(batches: list[int]) -> list[int | None]:
+        assert pool().stagger and pool().workers[0].pid == batches[0]
+        assert all(w.process is not None for w in pool().workers)
+        pids = [w.pid for w in pool().workers]
+        # Once every worker has run its worker_init_fn (so it is past the closing of what it
+        # inherited), each holds its own socket and no other: none of ours (the parent's
+        # ends), and no other one ours is not (a sibling's end). (The event loop's own
+        # socketpair, under async for, the parent holds too.)
+        wait_until(lambda: len(list(tmp_path.iterdir())) >= 3, timeout=30)
+        parent = _sockets(os.getpid())
+        ends = {f"socket:[{os.fstat(w.channel.sock.fileno()).st_ino}]" for w in pool().workers}
+        for pid in pids:
+            assert pid is not None
+            held = _sockets(pid)
+            assert len(held - parent) == 1 and not held & ends, "a worker holds another's socket"
+        return pids
+
+    if front == "for":
+        it = iter(loader)
+        batches = [int(next(it))]
+        while more(batches):
+            batches.append(int(next(it)))
+        pids = started(batches)
+        batches += [int(b) for b in it]
+    else:
+
+        async def main() -> tuple[list[int], list[int | None]]:
+            ait = aiter(loader)
+            batches = [int(await anext(ait))]
+            while more(batches):
+                batches.append(int(await anext(ait)))
+            pids = started(batches)
+            batches += [int(b) async for b in ait]
+            return batches, pids
+
+        batches, pids = asyncio.run(main())
     assert len(batches) == num_batches
     # torch's round robin: batch i came from worker i % 3, whenever that worker was forked.
     assert batches == [pids[i % 3] for i in range(num_batches)]
-    started = sorted(p.name for p in tmp_path.iterdir())
-    assert started == sorted(f"{i}-{pid}" for i, pid in enumerate(pids))
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == sorted(f"{i}-{pid}" for i, pid in enumerate(pids))
 
 
 def _spec(num_workers: int) -> WorkerSpec:
@@ -308,13 +343,21 @@ def _spec(num_workers: int) -> WorkerSpec:
     )
 
 
+def _wait_step(pool: Any, awaited: int | None) -> Any:
+    """One of the engine's waits on ``pool``: the fork it offers, run as under ``for``."""
+    waitable = pool.waitable(awaited)
+    if waitable.work is not None:
+        assert waitable.work.work_blocking()
+    return waitable
+
+
 def test_a_staggered_start_forks_one_worker_a_wait_the_awaited_one_first(
     no_leaks: None,
 ) -> None:
-    """A task for a worker not forked yet waits in its socket; each wait forks one worker
-    (the one the consumer waits for, if it waits for its fork, else the first with a task)
-    and, while others are left, offers no sleep: the first batch is not held up by every
-    other worker's fork. The tasks are all answered."""
+    """A task for a worker not forked yet waits in its socket; each wait offers one fork as
+    the engine's work in place of a sleep (the worker the consumer waits for, if it waits for
+    its fork, else the first with a task): the first batch is not held up by every other
+    worker's fork. Once all are forked, a wait is a sleep again. The tasks are all answered."""
     from aioload._backends.process import WorkerPool
     from aioload._wire.messages import Answer, PassPlan
 
@@ -325,12 +368,15 @@ def test_a_staggered_start_forks_one_worker_a_wait_the_awaited_one_first(
             pool.submit(task_id, task_id, [task_id])
         forked = lambda: [w.process is not None for w in pool.workers]  # noqa: E731
         assert forked() == [True, False, False, False]
-        assert pool.waitable(awaited=0).budget == 0
-        assert forked() == [True, True, False, False]
-        assert pool.waitable(awaited=3).budget == 0
+        offered = pool.waitable(awaited=0)
+        assert offered.work is not None and forked() == [True, False, False, False]
+        assert offered.work.work_blocking() and forked() == [True, True, False, False]
+        assert _wait_step(pool, awaited=3).work is not None
         assert forked() == [True, True, False, True]
+        assert _wait_step(pool, awaited=0).work is not None
+        assert forked() == [True] * 4
         last = pool.waitable(awaited=0)
-        assert forked() == [True] * 4 and last.budget > 0
+        assert last.work is None and last.budget > 0
         answered: set[int] = set()
 
         def all_answered() -> bool:
@@ -347,7 +393,8 @@ def test_a_staggered_start_forks_every_worker_at_once_where_none_has_a_task(
 ) -> None:
     """Fewer tasks than workers: the workers with none are forked together at the first wait
     (torch starts every worker); a slot that num_workers="auto" retired before its fork still
-    gets forked for the task it holds."""
+    gets forked for the task it holds, and an inactive slot with none is left for later
+    (a wait is then a sleep, not a fork that forks nothing)."""
     from aioload._backends.process import WorkerPool
     from aioload._wire.messages import PassPlan
 
@@ -355,8 +402,9 @@ def test_a_staggered_start_forks_every_worker_at_once_where_none_has_a_task(
     try:
         pool.start_pass([PassPlan()] * 4)
         pool.submit(0, 0, [0])
-        assert pool.waitable(awaited=0).budget > 0
+        assert _wait_step(pool, awaited=0).work is not None
         assert all(w.process is not None for w in pool.workers)
+        assert pool.waitable(awaited=0).work is None
     finally:
         pool.close()
     pool = WorkerPool(_spec(3), base_seed=0, stagger=True)
@@ -365,8 +413,63 @@ def test_a_staggered_start_forks_every_worker_at_once_where_none_has_a_task(
         pool.submit(0, 0, [0])
         pool.submit(2, 1, [1])
         pool.activate(1)
-        assert pool.waitable(awaited=2).budget > 0
+        assert _wait_step(pool, awaited=2).work is not None
         assert [w.process is not None for w in pool.workers] == [True, False, True]
+        asleep = pool.waitable(awaited=2)
+        assert asleep.work is None and asleep.budget > 0
+    finally:
+        pool.close()
+
+
+def test_a_close_waits_for_a_staggered_fork_in_its_thread(
+    no_leaks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under ``async for`` a fork runs in a thread, and a native cancel ends its await while the
+    fork goes on: a close meanwhile waits for that fork and stops the worker it made, and a
+    fork offered before the close forks nothing after it."""
+    from aioload._backends import process as _workers
+    from aioload._backends.process import WorkerPool
+    from aioload._wire.messages import PassPlan
+
+    pool = WorkerPool(_spec(3), base_seed=0, stagger=True)
+    real_fork = WorkerPool._fork
+    in_fork = threading.Event()
+
+    def slow_fork(self: WorkerPool, worker: Any) -> None:
+        in_fork.set()
+        time.sleep(0.3)
+        real_fork(self, worker)
+
+    monkeypatch.setattr(WorkerPool, "_fork", slow_fork)
+    try:
+        pool.start_pass([PassPlan()] * 3)
+        for task_id in range(3):
+            pool.submit(task_id, task_id, [task_id])
+        first = pool.waitable(awaited=0).work
+        later = pool.waitable(awaited=0).work
+        assert first is not None and later is not None
+
+        async def cancelled_fork() -> None:
+            task = asyncio.ensure_future(first.work())
+            await asyncio.sleep(0)
+            while not in_fork.is_set():
+                await asyncio.sleep(0.005)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(cancelled_fork())
+        pool.close()  # while the fork's thread is still in its sleep
+        forked = [w for w in pool.workers if w.process is not None]
+        assert [w.worker_id for w in forked] == [0, 1]
+        # (Stopped and reaped: no_leaks finds no child left.)
+        assert all(w.exited for w in forked)
+        assert later.work_blocking() and [w.process is not None for w in pool.workers] == [
+            True,
+            True,
+            False,
+        ]
+        assert not _workers._unforked_ends
     finally:
         pool.close()
 
