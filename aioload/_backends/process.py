@@ -601,8 +601,9 @@ class WorkerPool:
         # (The calls below are made only where they have something to do: this runs for
         # every batch.)
         worker = self.workers[worker_id]
-        if worker.process is None:
+        if worker.process is None and self._staggered is not None:
             worker.tasked = True  # forked at a wait (NOTE [staggered start])
+            self._staggered.done = False
         if self.releases:
             self._queue_frees()
         freed = worker.take_deferred_frees() if worker.deferred_frees else ()
@@ -778,6 +779,8 @@ class WorkerPool:
         worker of a staggered start is forked at the waits that follow; the others stay as
         they are (an idle process, or a socket waiting for its fork)."""
         self.active = max(1, min(self.num_workers, count))
+        if self._staggered is not None:
+            self._staggered.done = False
 
     def set_concurrency(self, concurrency: int) -> None:
         """worker_concurrency="auto": tell every worker (one not forked yet reads it first
@@ -888,8 +891,10 @@ class _StaggeredStart:
 
     def __init__(self, pool: WorkerPool) -> None:
         self.pool = pool
-        # Whether every worker has been forked: from then on, waits look for none to fork.
-        # (A replacement is forked as it is made, ``WorkerPool._spawn``, so this stays true.)
+        # Whether no worker that has a task, or is active, waits for its fork: from then on,
+        # waits look for none to fork, until a task goes to one not forked yet or more slots
+        # are activated (num_workers="auto"). (A replacement is forked as it is made,
+        # ``WorkerPool._spawn``.)
         self.done = pool.num_workers == 1
         self._forks: list[_WorkerHandle] = []
 
@@ -907,9 +912,12 @@ class _StaggeredStart:
             for w in self.pool.workers
             if w.child_end is not None and (w.tasked or w.worker_id < self.pool.active)
         ]
+        if not waiting:
+            self.done = True
+            return None
         chosen = [w for w in waiting if w.worker_id == awaited] or [w for w in waiting if w.tasked]
         self._forks = chosen[:1] or waiting
-        return Waitable(work=self) if self._forks else None
+        return Waitable(work=self)
 
     async def work(self) -> None:
         await run_off_loop(functools.partial(self._fork_each, self._forks))
@@ -926,7 +934,6 @@ class _StaggeredStart:
             for worker in workers:
                 if worker.child_end is not None:
                     pool._fork(worker)
-            self.done = all(worker.child_end is None for worker in pool.workers)
 
 
 def _conforms(pool: WorkerPool) -> tuple[WorkerBackend, TunableBackend]:

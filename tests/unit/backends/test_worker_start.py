@@ -417,6 +417,11 @@ def test_a_staggered_start_forks_every_worker_at_once_where_none_has_a_task(
         assert [w.process is not None for w in pool.workers] == [True, False, True]
         asleep = pool.waitable(awaited=2)
         assert asleep.work is None and asleep.budget > 0
+        # Activated later, slot 1 is forked at the next wait.
+        pool.activate(2)
+        assert _wait_step(pool, awaited=2).work is not None
+        assert all(w.process is not None for w in pool.workers)
+        assert pool.waitable(awaited=2).work is None
     finally:
         pool.close()
 
