@@ -255,8 +255,37 @@ def _markdown(report: dict[str, Any]) -> str:
     for row in report["workloads"]:
         cells = ", ".join(f"{name} {_rate(r['items_per_s'])}" for name, r in row["rows"].items())
         lines.append(f"- {row['workload']}: {cells}")
+    lines += [
+        "",
+        "Round by round: each round runs every setting once, one after another, so a run of "
+        "auto and the same round's run of another setting met nearly the same machine. Auto's "
+        "ratio to the best setting's run and to torch's defaults' run in its round, median "
+        "over the rounds (lowest to highest):",
+        "",
+    ]
+    for row in report["workloads"]:
+        runs = row.get("runs", {})
+        paired = [
+            f"{_paired(runs, name)} of {name}"
+            for name in (row["best"], "torch defaults")
+            if name is not None
+        ]
+        lines.append(f"- {row['workload']}: " + ", ".join(paired))
     lines.append("")
     return "\n".join(lines)
+
+
+def _paired(runs: dict[str, list[dict[str, Any]]], other: str) -> str:
+    """Median (lowest-highest) over the rounds of auto's items/s over ``other``'s, in the same
+    round; rounds where either run failed are left out."""
+    ratios = [
+        a["items_per_s"] / b["items_per_s"]
+        for a, b in zip(runs.get("auto", []), runs.get(other, []), strict=False)
+        if a["ok"] and b["ok"] and b["items_per_s"]
+    ]
+    if not ratios:
+        return "-"
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def _pct(value: float | None) -> str:

@@ -281,3 +281,20 @@ def test_bench_auto_judges_and_models() -> None:
     given = {(r["workload"], r["workers"]): r for r in bench.predict(inputs, parent_us=50.0)}
     assert given[("tiny", 14)]["bound"] == "workers"
     assert given[("tiny", 14)]["predicted"] == pytest.approx(4.0e6 / (1 + 0.5 / 3.5))
+
+
+def test_bench_auto_pairs_each_auto_run_with_its_rounds_run() -> None:
+    """The round-by-round reading: auto's ratio to another setting's run of the same round,
+    median (lowest-highest) over the rounds, failed runs left out. A machine that gets twice
+    as fast between rounds moves the medians of both, not the ratios."""
+    from benchmarks import auto as bench
+
+    def run(rate: float, ok: bool = True) -> dict[str, Any]:
+        return {"ok": ok, "items_per_s": rate}
+
+    runs = {
+        "auto": [run(90.0), run(180.0), run(200.0), run(1.0, ok=False)],
+        "2w x2": [run(100.0), run(200.0), run(160.0), run(100.0)],
+    }
+    assert bench._paired(runs, "2w x2") == "0.90 (0.90-1.25)"
+    assert bench._paired(runs, "torch defaults") == "-"
