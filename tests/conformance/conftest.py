@@ -177,8 +177,10 @@ def stop_mp_helpers(request: pytest.FixtureRequest, is_aioload: bool) -> Iterato
     multiprocessing.forkserver._forkserver._stop()  # type: ignore[attr-defined]
     multiprocessing.resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
     if not is_aioload:
+        # (Given a second to leave on their own, not the watchdog's period: what is left is
+        # ended either way, and waiting cost every such test of torch's 10 s.)
         leftover = psutil.Process().children(recursive=True)
-        _, alive = psutil.wait_procs(leftover, timeout=10)
+        _, alive = psutil.wait_procs(leftover, timeout=1)
         for process in alive:
             process.kill()
         psutil.wait_procs(alive, timeout=5)
