@@ -159,8 +159,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         max_memory: With `num_workers="auto"` or `prefetch_factor="auto"` (and only with
             one of them): the most bytes of batches the choice may keep in flight, counted as
             `(workers x prefetch_factor + 2) x` the bytes of a batch, enforced once a batch's
-            size is known by lowering the prefetch depth first, then the workers. `None`:
-            no bound.
+            size is known by lowering the prefetch depth first, then the workers: whole bytes
+            (an integer, or a float such as `2e9`, rounded down). `None`: no bound.
     """
 
     def __init__(
@@ -194,7 +194,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         max_skipped: int | float | None = None,
         sample_retries: int = 0,
         snapshot_every_n_steps: int | None = 1,
-        max_memory: int | None = None,
+        max_memory: float | None = None,
     ) -> None:
         resolved = resolve_arguments(
             dataset,

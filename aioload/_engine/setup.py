@@ -85,7 +85,7 @@ def resolve_arguments(
     num_workers: int | str,
     prefetch_factor: int | str | None,
     worker_concurrency: int | str,
-    max_memory: int | None,
+    max_memory: float | None,
 ) -> Resolved:
     """``shard`` (the rank, and the shard sampler: a collective where it shuffles) and the
     ``"auto"`` arguments, before torch validates the rest."""

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import os
 import time
 from collections import deque
@@ -876,6 +877,23 @@ def _is_auto(value: Any) -> bool:
     return isinstance(value, str) and value == AUTO
 
 
+def _budget_bytes(max_memory: Any) -> int:
+    """``max_memory`` as whole bytes: an integer (numpy's too), or a float such as ``2e9``;
+    a bool, a string or anything under one byte is refused."""
+    value: float | int | None = None
+    if not isinstance(max_memory, bool):
+        if isinstance(max_memory, numbers.Integral):
+            value = int(max_memory)
+        elif isinstance(max_memory, numbers.Real) and math.isfinite(float(max_memory)):
+            value = math.floor(float(max_memory))
+    if value is None or value < 1:
+        raise ValueError(
+            "max_memory option should be None or a positive number of bytes, but got "
+            f"max_memory={max_memory!r}"
+        )
+    return int(value)
+
+
 def auto_arguments(
     num_workers: Any,
     prefetch_factor: Any,
@@ -897,13 +915,8 @@ def auto_arguments(
             raise ValueError(
                 f"{name} option should be {kind} integer or 'auto', but got {name}={value!r}"
             )
-    if max_memory is not None and (
-        isinstance(max_memory, bool) or not isinstance(max_memory, int) or max_memory <= 0
-    ):
-        raise ValueError(
-            "max_memory option should be None or a positive number of bytes, but got "
-            f"max_memory={max_memory!r}"
-        )
+    if max_memory is not None:
+        max_memory = _budget_bytes(max_memory)
     auto_workers = _is_auto(num_workers)
     auto_depth = _is_auto(prefetch_factor)
     # A sync dataset fetches one sample at a time: "auto" has only 1 to choose from.

@@ -12,6 +12,7 @@ import asyncio
 import itertools
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset
@@ -227,6 +228,19 @@ def test_torch_still_validates_integers() -> None:
         aioload.DataLoader(Numbers(), num_workers="many")
     with pytest.raises(ValueError, match="max_memory bounds what"):
         aioload.DataLoader(Numbers(), num_workers=2, max_memory=1 << 30)
+
+
+@pytest.mark.parametrize("budget", [2e9, np.int64(1 << 30), 1 << 30, 5e8 + 0.5])
+def test_max_memory_takes_whole_bytes_as_int_numpy_or_float(budget: Any) -> None:
+    loader = aioload.DataLoader(Numbers(), batch_size=4, num_workers="auto", max_memory=budget)
+    assert values(list(loader)) == list(range(N))
+    assert loader.stats().as_dict()["tuning"]["max_memory"] == int(budget)
+
+
+@pytest.mark.parametrize("budget", [0, -5, 0.5, float("inf"), float("nan"), True, "1G"])
+def test_max_memory_refuses_what_is_not_a_number_of_bytes(budget: Any) -> None:
+    with pytest.raises(ValueError, match="max_memory option should be None or a positive"):
+        aioload.DataLoader(Numbers(), num_workers="auto", max_memory=budget)
 
 
 def test_bench_auto_judges_and_models() -> None:
