@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
@@ -465,13 +466,18 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
 
     def stats(self) -> LoaderStats:
         """A snapshot of the current pass, or of the last one if none is running (an empty one
-        before the first): batches, samples, the data-bound share of the consumer's time, each
+        before the first, with an "auto" loader's starting choice): batches, samples, the data-bound share of the consumer's time, each
         worker's busy fraction, fetch-time percentiles and restarts, queue depths and pin time.
 
         ``print(loader.stats())`` shows a table; ``loader.stats().as_dict()`` is for loggers.
         """
         if self._pass_stats is None:
-            return empty_stats(self.num_workers)
+            snapshot = empty_stats(self.num_workers)
+            if self._tuner is not None:
+                # The controller's starting choice ("no measurement yet"), as the progress bar
+                # and a logger would read it once the first pass starts.
+                snapshot = dataclasses.replace(snapshot, tuning=self._tuner.report())
+            return snapshot
         return self._pass_stats.snapshot()
 
     def shutdown(self) -> None:

@@ -230,6 +230,16 @@ def test_torch_still_validates_integers() -> None:
         aioload.DataLoader(Numbers(), num_workers=2, max_memory=1 << 30)
 
 
+def test_stats_show_the_starting_choice_before_the_first_pass() -> None:
+    loader = aioload.DataLoader(Numbers(), batch_size=4, num_workers="auto", prefetch_factor="auto")
+    choice = loader.stats().as_dict()["tuning"]
+    assert choice["num_workers"]["auto"] and choice["num_workers"]["value"] >= 1
+    assert choice["prefetch_factor"]["value"] == tuning.START_DEPTH
+    assert choice["changes"] == [] and choice["last_window"] is None
+    assert "tuning: " in str(loader.stats())
+    assert aioload.DataLoader(Numbers(), num_workers=2).stats().as_dict()["tuning"] is None
+
+
 @pytest.mark.parametrize("budget", [2e9, np.int64(1 << 30), 1 << 30, 5e8 + 0.5])
 def test_max_memory_takes_whole_bytes_as_int_numpy_or_float(budget: Any) -> None:
     loader = aioload.DataLoader(Numbers(), batch_size=4, num_workers="auto", max_memory=budget)
