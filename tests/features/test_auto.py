@@ -13,6 +13,7 @@ import itertools
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset
@@ -126,6 +127,41 @@ def test_order_and_exactly_once_while_the_count_changes() -> None:
     assert {c["reason"] for c in report["changes"]} == {"scripted"}
     # Workers of every slot answered some of the batches.
     assert all(w["tasks"] > 0 for w in loader.stats().as_dict()["workers"])
+
+
+@pytest.mark.parametrize("front", ["for", "async for"])
+def test_slots_the_controller_never_activates_start_no_process(
+    monkeypatch: pytest.MonkeyPatch, front: str
+) -> None:
+    """Six slots, a controller that holds two workers: two processes, under either front."""
+    monkeypatch.setattr(tuning, "usable_cores", lambda: 6)
+    loader = aioload.DataLoader(Numbers(), batch_size=4, num_workers="auto")
+    assert loader.num_workers == 6
+    scripted(loader, [(2, 2, 1)])
+    me = psutil.Process()
+    most = 0
+
+    def count() -> None:
+        nonlocal most
+        most = max(most, len(me.children()))
+
+    async def drain() -> list[torch.Tensor]:
+        batches = []
+        async for batch in loader:
+            count()
+            batches.append(batch)
+        return batches
+
+    if front == "for":
+        batches = []
+        for batch in loader:
+            count()
+            batches.append(batch)
+    else:
+        batches = asyncio.run(drain())
+    assert values(batches) == list(range(N))
+    assert most == 2
+    assert sum(w["tasks"] > 0 for w in loader.stats().as_dict()["workers"]) == 2
 
 
 @pytest.mark.usefixtures("three_cores")
