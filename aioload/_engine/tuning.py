@@ -16,7 +16,9 @@ How the controller decides (docs/tuning.md says the same for users):
 
 - It changes one knob at a time, and only on a clear signal: the consumer waits for data at
   least ``WAIT_HIGH`` of its time (grow), or at most ``WAIT_LOW`` with the workers mostly idle
-  (shrink). Between the two it holds.
+  (shrink: a worker while the others would be at most ``SHRINK_BUSY`` busy without it, else
+  the depth while the workers are at most ``SHRINK_DEPTH_BUSY`` busy). Between the two it
+  holds.
 - Every change is a trial, judged on the next window (after a worker is added, on the one
   after: the new worker starts during the first). A growth must bring at least ``GAIN`` more
   samples/s (``CONCURRENCY_GAIN`` for concurrency) or leave the consumer fed; a shrink must
@@ -85,6 +87,8 @@ BUSY_FOR_WORKERS = 0.60
 BUSY_SATURATED = 0.85
 # A worker is retired when the others would be at most this busy without it.
 SHRINK_BUSY = 0.70
+# Depth shrinks while the consumer is fed and the workers are at most this busy.
+SHRINK_DEPTH_BUSY = 0.50
 # Cores that must be idle (measured) before a worker is added.
 IDLE_MIN = 0.5
 # What a trial must bring to be kept.
@@ -697,6 +701,24 @@ class Controller:
                     f"the consumer is the bottleneck (waits {w.waiting:.0%}); the workers are "
                     f"{w.busy:.0%} busy, {projected:.0%} with one fewer",
                 )
+        # Then the depth: a worker busy at most half its time finishes a task in less than
+        # the time the consumer takes to use the batches of the others, so a queue of one task
+        # each keeps the consumer fed, with fewer batches (and slabs) in flight. An async
+        # dataset's concurrency keeps the room it fills (half of depth x batch size).
+        depth, concurrency = self.depth, self.concurrency
+        per_batch = w.samples / w.batches if w.batches else 1.0
+        if (
+            depth.can_shrink()
+            and w.busy <= SHRINK_DEPTH_BUSY
+            and (concurrency.value <= 1 or 2 * concurrency.value <= (depth.value - 1) * per_batch)
+        ):
+            return self._try(
+                depth,
+                depth.value - 1,
+                w,
+                f"the consumer is fed (waits {w.waiting:.0%}) and the workers are "
+                f"{w.busy:.0%} busy: fewer batches in flight",
+            )
         self.note = f"holding: the consumer is fed (waits {w.waiting:.0%})"
         return []
 

@@ -169,6 +169,51 @@ def test_depth_grows_only_while_the_consumer_waits_and_stops_when_fed() -> None:
     assert c.depth.value == 4
 
 
+def test_depth_shrinks_while_the_consumer_is_fed_and_the_workers_idle() -> None:
+    c = controller(workers=4, depth=None)
+    c.depth.value = 3
+    changes = c.observe(window(waiting=0.0, busy=0.3, samples_per_s=1000))
+    assert knobs(changes) == [(DEPTH, 3, 2)]
+    assert "fewer batches in flight" in changes[0].reason
+    # Judged: the consumer is still fed at the same rate: kept, and one less again.
+    assert knobs(c.observe(window(waiting=0.01, busy=0.3, samples_per_s=990))) == [(DEPTH, 2, 1)]
+    # One task a worker is the least: it holds.
+    for _ in range(5):
+        assert c.observe(window(waiting=0.0, busy=0.3, samples_per_s=1000)) == []
+    assert c.depth.value == 1
+
+
+def test_workers_go_before_depth_and_busy_workers_keep_their_depth() -> None:
+    c = controller(depth=None)
+    c.workers.value = 4
+    assert knobs(c.observe(window(waiting=0.0, busy=0.3))) == [(WORKERS, 4, 3)]
+    # Three workers 45% busy: two would be 68%, still at most 70%: another goes.
+    assert knobs(c.observe(window(waiting=0.0, busy=0.45))) == [(WORKERS, 3, 2)]
+    # Two 60% busy: neither one fewer (120%) nor a shorter queue (more than half busy).
+    assert c.observe(window(waiting=0.0, busy=0.6)) == []
+    assert (c.workers.value, c.depth.value) == (2, 2)
+
+
+def test_a_depth_shrink_that_starves_the_consumer_is_undone() -> None:
+    c = controller(workers=2, depth=None)
+    assert knobs(c.observe(window(waiting=0.0, busy=0.4, samples_per_s=1000))) == [(DEPTH, 2, 1)]
+    changes = c.observe(window(waiting=0.3, busy=0.6, samples_per_s=800))
+    assert knobs(changes) == [(DEPTH, 1, 2)]
+    assert changes[0].reason.startswith("undone")
+    assert c.depth.floor == 2
+    assert c.observe(window(waiting=0.0, busy=0.4, samples_per_s=1000)) == []
+
+
+def test_depth_keeps_the_room_an_async_concurrency_fills() -> None:
+    # 64 fetches at once fill half of 4 x 32 samples in flight: with 3 they would not fit.
+    c = controller(workers=2, depth=None, concurrency=64)
+    c.depth.value = 4
+    assert c.observe(window(waiting=0.0, busy=0.2, per_batch=32)) == []
+    c = controller(workers=2, depth=None, concurrency=32)
+    c.depth.value = 4
+    assert knobs(c.observe(window(waiting=0.0, busy=0.2, per_batch=32))) == [(DEPTH, 4, 3)]
+
+
 def test_depth_does_not_grow_for_saturated_workers() -> None:
     c = controller(workers=2, depth=None)
     assert c.observe(window(waiting=0.5, busy=0.97)) == []
