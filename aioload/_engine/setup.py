@@ -526,7 +526,7 @@ def begin_tuned_pass(loader: LoaderView, resume: PassProgress | None, reuse_work
         hold = loader.num_workers
     elif resume is not None and loader._pending_in_progress and tuner.per_pass_workers:
         hold = len(resume.streams)
-    tuner.begin_pass(hold)
+    tuner.begin_pass(hold, starting=not reuse_workers)
     if tuner.per_pass_workers and tuner.workers.auto:
         loader.num_workers = tuner.pass_workers()
 

@@ -105,6 +105,7 @@ MIN_SECONDS = 0.2
 MAX_SECONDS = 2.0
 # Changes kept for stats() (the oldest are dropped first).
 MAX_CHANGES = 100
+_SETTLING_START = "settling: the pass's workers start during its first window"
 
 
 # -- the machine ------------------------------------------------------------------------------
@@ -404,6 +405,7 @@ class Controller:
         self.note = "no measurement yet"
         self._trial: _Trial | None = None
         self._skip = 0
+        self._starting = False
         self._pass_index = -1
         self._at_s = 0.0
         self._windows = 0
@@ -427,11 +429,17 @@ class Controller:
 
     # -- passes --------------------------------------------------------------------------------
 
-    def begin_pass(self, hold_workers: int | None = None) -> None:
+    def begin_pass(self, hold_workers: int | None = None, starting: bool = False) -> None:
         """A pass starts from the values the last one ended with; what trials taught about
         the last pass's bounds is forgotten (the data may differ). An IterableDataset's count
         is chosen here from the last pass, unless ``hold_workers`` fixes it (its persistent
-        workers are kept, or a checkpoint's streams are resumed)."""
+        workers are kept, or a checkpoint's streams are resumed).
+
+        ``starting``: the pass starts its workers (not kept ones). Its first window then
+        measures their start (the consumer waits for each worker's first batch, forked at
+        one of its waits), not the data: it moves neither workers nor depth on it. An async
+        dataset's concurrency still grows on it: a latency-bound pass is short, and that
+        signal is the data's."""
         if self.per_pass_workers and self.workers.auto:
             if hold_workers is not None:
                 self.workers.value = max(1, hold_workers)
@@ -443,6 +451,7 @@ class Controller:
             knob.begin_pass()
         self._trial = None
         self._skip = 0
+        self._starting = starting and self.workers.value > 0
         self.pass_window = None
 
     def pass_workers(self) -> int:
@@ -494,7 +503,8 @@ class Controller:
             undone = self._judge(trial, window)
             if undone is not None:
                 return [undone]
-        return self._decide(window)
+        starting, self._starting = self._starting, False
+        return self._decide(window, starting)
 
     def _record(self, knob: _Knob, new: int, reason: str) -> Change:
         change = Change(knob.name, knob.value, new, reason, max(0, self._pass_index), self._at_s)
@@ -591,15 +601,18 @@ class Controller:
             self.note = reason + ", but nothing left to lower"
         return changes
 
-    def _decide(self, window: Window) -> list[Change]:
+    def _decide(self, window: Window, starting: bool = False) -> list[Change]:
         if window.waiting >= WAIT_HIGH:
-            return self._grow(window)
-        if window.waiting <= WAIT_LOW:
+            return self._grow(window, starting)
+        if window.waiting <= WAIT_LOW and not starting:
             return self._shrink(window)
+        if starting:
+            self.note = _SETTLING_START
+            return []
         self.note = f"holding: the consumer waits {window.waiting:.0%} of its time"
         return []
 
-    def _grow(self, w: Window) -> list[Change]:
+    def _grow(self, w: Window, starting: bool = False) -> list[Change]:
         workers, depth, concurrency = self.workers, self.depth, self.concurrency
         waiting = f"the consumer waits {w.waiting:.0%} of its time"
         per_batch = w.samples / w.batches if w.batches else 1.0
@@ -607,6 +620,9 @@ class Controller:
             moved = self._grow_concurrency(w, per_batch, waiting)
             if moved:
                 return moved
+        if starting:
+            self.note = _SETTLING_START
+            return []
         n = workers.value
         idle = w.idle_cores
         if idle is None:

@@ -214,6 +214,32 @@ def test_depth_keeps_the_room_an_async_concurrency_fills() -> None:
     assert knobs(c.observe(window(waiting=0.0, busy=0.2, per_batch=32))) == [(DEPTH, 4, 3)]
 
 
+def test_a_pass_that_starts_its_workers_moves_nothing_on_its_first_window() -> None:
+    """The first window of a pass that starts its workers measures their start: neither
+    depth nor workers move on it, either way; from the next window on they do."""
+    c = controller(workers=2, depth=None)
+    c.begin_pass(starting=True)
+    assert c.observe(window(waiting=0.4, busy=0.3)) == []
+    assert "workers start" in c.note
+    assert knobs(c.observe(window(waiting=0.4, busy=0.3))) == [(DEPTH, 2, 3)]
+    c = controller(workers=None, depth=None)
+    c.workers.value = 5
+    c.begin_pass(starting=True)
+    assert c.observe(window(waiting=0.0, busy=0.2)) == []
+    assert knobs(c.observe(window(waiting=0.0, busy=0.2))) == [(WORKERS, 5, 4)]
+    # Kept workers (persistent_workers): the first window counts.
+    c = controller(workers=2, depth=None)
+    c.begin_pass(starting=False)
+    assert knobs(c.observe(window(waiting=0.4, busy=0.3))) == [(DEPTH, 2, 3)]
+
+
+def test_an_async_datasets_concurrency_grows_on_the_first_window() -> None:
+    c = controller(workers=2, depth=None, concurrency=None)
+    c.begin_pass(starting=True)
+    changes = c.observe(window(waiting=0.8, busy=1.0, per_batch=32))
+    assert knobs(changes) == [(CONCURRENCY, 4, 16)]
+
+
 def test_depth_does_not_grow_for_saturated_workers() -> None:
     c = controller(workers=2, depth=None)
     assert c.observe(window(waiting=0.5, busy=0.97)) == []
