@@ -78,6 +78,8 @@ class ReadableWait:
         self._pid = os.getpid()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watched: int | None = None  # the duplicate registered with ``_loop``
+        # A poll of that duplicate, which checks a readiness the loop reports (_readable).
+        self._probe: select.poll | None = None
         self._waiter: asyncio.Future[bool] | None = None
         # When the current wait times out (the loop's clock), and the armed timer, if any,
         # with when it fires.
@@ -105,7 +107,9 @@ class ReadableWait:
             except BaseException:
                 os.close(watched)
                 raise
-            self._loop, self._watched = loop, watched
+            probe = select.poll()
+            probe.register(watched, select.POLLIN)
+            self._loop, self._watched, self._probe = loop, watched, probe
         waiter: asyncio.Future[bool] = loop.create_future()
         self._waiter = waiter
         self._unheard = 0
@@ -143,6 +147,19 @@ class ReadableWait:
         if waiter is not None:
             # (Done already: fired again before the woken task ran. Nothing to do.)
             self._unheard = 0
+            # NOTE [stale readiness]. The loop queues this call when its own poll finds the
+            # descriptor readable, and runs it later in the same turn, after the callbacks
+            # queued before it. When one of those is the task an earlier readiness woke, that
+            # task reads the answer, often awaits again at once (a data-bound consumer), and
+            # this call then finds a new wait, which the answer already read would end for
+            # nothing: a step with no batch, one wake-up of the parent too many. (The backend
+            # may also have changed meanwhile what its descriptor reports: another worker's
+            # answers, ``_AwaitedEpoll``.) So the readiness is checked again, with one poll
+            # that does not block; readiness is level-triggered, so a wait left on is called
+            # again as soon as the descriptor is readable.
+            probe = self._probe
+            if probe is not None and not waiter.done() and not probe.poll(0):
+                return
             _settle(waiter, True)
             return
         # Nobody waits. A few such calls are the normal course of a pass: one queued before
@@ -161,7 +178,7 @@ class ReadableWait:
             self.forget_after_fork()
             return
         loop, watched, timer = self._loop, self._watched, self._timer
-        self._loop = self._watched = self._timer = None
+        self._loop = self._watched = self._timer = self._probe = None
         self._timer_at = math.inf
         if loop is None or watched is None:
             return
@@ -176,7 +193,7 @@ class ReadableWait:
 
     def forget_after_fork(self) -> None:
         """In a forked child: drop the duplicate without touching the parent's loop."""
-        watched, self._watched, self._loop = self._watched, None, None
+        watched, self._watched, self._loop, self._probe = self._watched, None, None, None
         self._timer, self._timer_at = None, math.inf
         if watched is not None:
             with contextlib.suppress(OSError):

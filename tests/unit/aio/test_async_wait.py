@@ -167,6 +167,38 @@ def test_closing_from_another_thread_leaves_the_removal_to_the_loop() -> None:
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "uvloop"])
+def test_a_readiness_seen_before_a_wait_began_does_not_end_it(backend: str) -> None:
+    """NOTE [stale readiness]: the task that a readiness woke reads what was there and waits
+    again at once; the loop's call for a readiness it saw before that read must not end the
+    new wait (a step with nothing to take). A readiness during the wait still ends it."""
+    read_end, write_end = os.pipe()
+    wait = waiting.ReadableWait(read_end)
+
+    async def main() -> list[bool]:
+        ends = []
+        for _ in range(20):
+            os.write(write_end, b"x")
+            assert await wait.wait(1.0)
+            os.read(read_end, 1)
+            ends.append(await wait.wait(0.02))
+        asyncio.get_running_loop().call_later(0.01, os.write, write_end, b"y")
+        assert await wait.wait(5.0)
+        wait.close()
+        return ends
+
+    try:
+        if backend == "uvloop":
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                ends = runner.run(main())
+        else:
+            ends = asyncio.run(main())
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert ends == [False] * 20, "woken with nothing to read"
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "uvloop"])
 def test_a_wait_times_out_at_its_own_timeout_with_one_timer_kept(
     monkeypatch: pytest.MonkeyPatch, backend: str
 ) -> None:
