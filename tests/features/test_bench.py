@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import instructions, machine_profile, report, runner, startup, sweep
+from benchmarks import instructions, machine_profile, report, runner, startup, sweep, wakeups
 from benchmarks.__main__ import main as bench_main
 
 
@@ -67,6 +67,23 @@ def test_the_startup_bench_prints_the_first_batch_at_each_worker_count(
         for cell in cells:
             times = [float(part.removesuffix(" ms")) for part in cell.split(" / ")]
             assert len(times) == 3 and min(times) > 0, row
+
+
+def test_the_wakeups_bench_counts_each_fronts_wakeups(
+    no_leaks: Iterator[None], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert wakeups.main(["--rounds", "1", "--batches", "60"]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ")]
+    assert [row.split("|")[1].strip() for row in rows[1:]] == [
+        "for",
+        "async for, asyncio",
+        "async for, uvloop",
+    ]
+    for row in rows[1:]:
+        per_batch, empty, cpu = (cell.strip() for cell in row.split("|")[2:5])
+        # Every batch but those already in when asked for took a wait; some batch did.
+        assert 0 < float(per_batch) <= 3 and 0 <= float(empty) <= float(per_batch), row
+        assert float(cpu.removesuffix(" us")) > 0, row
 
 
 def test_instruction_counts_become_the_models_figures() -> None:
