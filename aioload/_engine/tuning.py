@@ -28,6 +28,7 @@ How the controller decides (docs/tuning.md says the same for users):
   cannot oscillate: within a pass each knob makes a bounded number of moves.
 - Growth order when the consumer waits: concurrency (an async dataset's fetches in flight,
   from 4, fourfold while the consumer waits at least half its time, else twofold, up to 256;
+  a fourfold step undone leaves the twofold one as the ceiling, to be tried next;
   an automatic depth moves with it in the same trial, so that it fills at most half of the
   prefetch x batch size samples a worker has to fetch), then workers (only while cores are
   measured idle and the workers are busy), then prefetch depth (+1 per worker, within
@@ -543,13 +544,16 @@ class Controller:
             if now >= before * need or window.waiting <= WAIT_LOW:
                 self.note = f"kept {knob.name}={trial.new}: {before:.0f} -> {now:.0f} samples/s"
                 return None
-            knob.ceiling = trial.old
+            # A fourfold step of concurrency that did not pay leaves the twofold one between
+            # untried: that is the ceiling, so the next growth tries it.
+            untried = knob is self.concurrency and trial.new > 2 * trial.old
+            knob.ceiling = 2 * trial.old if untried else trial.old
             knob.retry_at = self._windows + RETRY_WINDOWS
             undone = self._record(
                 knob,
                 trial.old,
                 f"undone: {knob.name} {trial.old} -> {trial.new} brought {before:.0f} -> "
-                f"{now:.0f} samples/s (less than {need - 1:.0%} more); {trial.old} is the "
+                f"{now:.0f} samples/s (less than {need - 1:.0%} more); {knob.ceiling} is the "
                 f"ceiling for the next {RETRY_WINDOWS} windows",
             )
             if trial.depth_before is not None and self.depth.value != trial.depth_before:

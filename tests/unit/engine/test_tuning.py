@@ -337,6 +337,38 @@ def test_concurrency_stops_when_throughput_stops_rising() -> None:
     changes = c.observe(window(waiting=0.9, busy=1.0, samples_per_s=210))  # +5 %: undone
     assert knobs(changes) == [(CONCURRENCY, 16, 4)]
     assert c.concurrency.value == 4
+    # The twofold step between is still untried: tried next, and undone too, it settles.
+    assert "8 is the ceiling" in changes[0].reason
+    assert knobs(c.observe(window(waiting=0.9, busy=1.0, samples_per_s=200))) == [
+        (CONCURRENCY, 4, 8)
+    ]
+    assert knobs(c.observe(window(waiting=0.9, busy=1.0, samples_per_s=205))) == [
+        (CONCURRENCY, 8, 4)
+    ]
+    for _ in range(5):
+        assert c.observe(window(waiting=0.9, busy=1.0, samples_per_s=200)) == []
+    assert c.concurrency.value == 4
+
+
+def test_a_fourfold_concurrency_step_that_does_not_pay_tries_the_twofold_one() -> None:
+    """4 -> 16 pays, 16 -> 64 does not, so 32 is tried, and kept when it pays."""
+    c = controller(workers=2, depth=8, concurrency=None)
+    assert knobs(c.observe(window(waiting=0.9, busy=1.0, samples_per_s=100))) == [
+        (CONCURRENCY, 4, 16)
+    ]
+    assert knobs(c.observe(window(waiting=0.8, busy=1.0, samples_per_s=300))) == [
+        (CONCURRENCY, 16, 64)
+    ]
+    assert knobs(c.observe(window(waiting=0.8, busy=1.0, samples_per_s=310))) == [
+        (CONCURRENCY, 64, 16)
+    ]
+    assert knobs(c.observe(window(waiting=0.8, busy=1.0, samples_per_s=300))) == [
+        (CONCURRENCY, 16, 32)
+    ]
+    assert c.observe(window(waiting=0.5, busy=1.0, samples_per_s=360)) == []
+    assert c.concurrency.value == 32
+    # 32 is the ceiling for now: nothing grows past it.
+    assert c.observe(window(waiting=0.5, busy=1.0, samples_per_s=360)) == []
 
 
 def test_depth_does_not_grow_without_an_idle_core() -> None:
