@@ -8,7 +8,7 @@ import asyncio
 import gc
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -166,47 +166,58 @@ def test_closing_from_another_thread_leaves_the_removal_to_the_loop() -> None:
         os.close(write_end)
 
 
+@pytest.fixture
+def pipe_wait() -> Iterator[tuple[int, int, waiting.ReadableWait]]:
+    """A pipe, and a wait on its read end; the pipe is closed after the test."""
+    read_end, write_end = os.pipe()
+    try:
+        yield read_end, write_end, waiting.ReadableWait(read_end)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+async def _woken_each_time(
+    pipe_wait: tuple[int, int, waiting.ReadableWait], times: int, timeout: float = 1.0
+) -> None:
+    """``times`` waits, each ended by a byte written before it and read after it."""
+    read_end, write_end, wait = pipe_wait
+    for _ in range(times):
+        os.write(write_end, b"x")
+        assert await wait.wait(timeout)
+        os.read(read_end, 1)
+
+
 @pytest.mark.parametrize("backend", ["asyncio", "uvloop"])
-def test_a_readiness_seen_before_a_wait_began_does_not_end_it(backend: str) -> None:
+def test_a_readiness_seen_before_a_wait_began_does_not_end_it(
+    backend: str, pipe_wait: tuple[int, int, waiting.ReadableWait]
+) -> None:
     """NOTE [stale readiness]: the task that a readiness woke reads what was there and waits
     again at once; the loop's call for a readiness it saw before that read must not end the
     new wait (a step with nothing to take). A readiness during the wait still ends it."""
-    read_end, write_end = os.pipe()
-    wait = waiting.ReadableWait(read_end)
+    _read_end, write_end, wait = pipe_wait
 
     async def main() -> list[bool]:
         ends = []
         for _ in range(20):
-            os.write(write_end, b"x")
-            assert await wait.wait(1.0)
-            os.read(read_end, 1)
+            await _woken_each_time(pipe_wait, 1)
             ends.append(await wait.wait(0.02))
         asyncio.get_running_loop().call_later(0.01, os.write, write_end, b"y")
         assert await wait.wait(5.0)
         wait.close()
         return ends
 
-    try:
-        if backend == "uvloop":
-            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                ends = runner.run(main())
-        else:
-            ends = asyncio.run(main())
-    finally:
-        os.close(read_end)
-        os.close(write_end)
-    assert ends == [False] * 20, "woken with nothing to read"
+    assert run_on(backend, main) == [False] * 20, "woken with nothing to read"
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "uvloop"])
 def test_a_wait_times_out_at_its_own_timeout_with_one_timer_kept(
-    monkeypatch: pytest.MonkeyPatch, backend: str
+    monkeypatch: pytest.MonkeyPatch, backend: str, pipe_wait: tuple[int, int, waiting.ReadableWait]
 ) -> None:
     """The timer that ends a wait stays armed from wait to wait: waits that readiness ends
     arm it once, and each wait that nothing ends still returns False at its own timeout, not
     at an earlier wait's, nor before it."""
-    read_end, write_end = os.pipe()
-    wait = waiting.ReadableWait(read_end)
+    _read_end, _write_end, wait = pipe_wait
     armed: list[float] = []
     arm = waiting.ReadableWait._arm
     timeouts = (0.2, 0.05, 0.02, 0.06)
@@ -219,10 +230,7 @@ def test_a_wait_times_out_at_its_own_timeout_with_one_timer_kept(
 
     async def main() -> list[float]:
         loop = asyncio.get_running_loop()
-        for _ in range(50):
-            os.write(write_end, b"x")
-            assert await wait.wait(0.2)
-            os.read(read_end, 1)
+        await _woken_each_time(pipe_wait, 50, timeout=0.2)
         assert len(armed) == 1, "one timer for every wait that readiness ended"
         took = []
         # The timer armed by the first wait fires halfway through the first wait below, which
@@ -239,15 +247,7 @@ def test_a_wait_times_out_at_its_own_timeout_with_one_timer_kept(
         wait.close()
         return took
 
-    try:
-        if backend == "uvloop":
-            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                took = runner.run(main())
-        else:
-            took = asyncio.run(main())
-    finally:
-        os.close(read_end)
-        os.close(write_end)
+    took = run_on(backend, main)
     for timeout, spent in zip(timeouts, took, strict=True):
         assert timeout - 0.002 <= spent < timeout + 0.5, (timeout, spent)
     assert wait._timer is None
