@@ -466,8 +466,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
 
     def stats(self) -> LoaderStats:
         """A snapshot of the current pass, or of the last one if none is running (an empty one
-        before the first, with an "auto" loader's starting choice): batches, samples, the data-bound share of the consumer's time, each
-        worker's busy fraction, fetch-time percentiles and restarts, queue depths and pin time.
+        before the first, with an "auto" loader's starting choice): batches, samples, the
+        data-bound share of the consumer's time, each worker's busy fraction, fetch-time
+        percentiles and restarts, queue depths and pin time.
 
         ``print(loader.stats())`` shows a table; ``loader.stats().as_dict()`` is for loggers.
         """

@@ -114,15 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     print("| front | wake-ups per batch | empty wake-ups per batch | parent CPU per batch |")
     print("|---|---|---|---|")
     for front, results in runs.items():
-
-        def median(key: str, results: list[dict[str, Any]] = results) -> float:
-            return float(statistics.median(r[key] for r in results))
-
-        print(
-            f"| {'for' if front == 'for' else 'async for, ' + front} | "
-            f"{median('wakeups_per_batch'):.2f} | {median('empty_per_batch'):.2f} | "
-            f"{median('parent_cpu_per_batch_us'):.0f} us |"
-        )
+        keys = ("wakeups_per_batch", "empty_per_batch", "parent_cpu_per_batch_us")
+        wakeups, empty, cpu = (statistics.median(r[key] for r in results) for key in keys)
+        name = "for" if front == "for" else f"async for, {front}"
+        print(f"| {name} | {wakeups:.2f} | {empty:.2f} | {cpu:.0f} us |")
     return 0
 
 

@@ -262,6 +262,11 @@ class Window(NamedTuple):
         """Samples per second."""
         return self.samples / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def per_batch(self) -> float:
+        """Samples per batch (1 for a window without a batch)."""
+        return self.samples / self.batches if self.batches else 1.0
+
     def as_dict(self) -> dict[str, Any]:
         data = self._asdict()
         data["samples_per_s"] = self.throughput
@@ -608,20 +613,19 @@ class Controller:
     def _decide(self, window: Window, starting: bool = False) -> list[Change]:
         if window.waiting >= WAIT_HIGH:
             return self._grow(window, starting)
-        if window.waiting <= WAIT_LOW and not starting:
-            return self._shrink(window)
         if starting:
             self.note = _SETTLING_START
             return []
+        if window.waiting <= WAIT_LOW:
+            return self._shrink(window)
         self.note = f"holding: the consumer waits {window.waiting:.0%} of its time"
         return []
 
     def _grow(self, w: Window, starting: bool = False) -> list[Change]:
         workers, depth, concurrency = self.workers, self.depth, self.concurrency
         waiting = f"the consumer waits {w.waiting:.0%} of its time"
-        per_batch = w.samples / w.batches if w.batches else 1.0
         if concurrency.can_grow():
-            moved = self._grow_concurrency(w, per_batch, waiting)
+            moved = self._grow_concurrency(w, waiting)
             if moved:
                 return moved
         if starting:
@@ -667,7 +671,7 @@ class Controller:
         self.note = f"holding: {waiting}, but " + self._why_not(w)
         return []
 
-    def _grow_concurrency(self, w: Window, per_batch: float, waiting: str) -> list[Change]:
+    def _grow_concurrency(self, w: Window, waiting: str) -> list[Change]:
         """More fetches in flight per worker for an async dataset: doubled, or quadrupled while
         the consumer waits most of its time (a latency-bound dataset gains in proportion, and
         a pass is short: slow start costs more than an overshoot, which the trial undoes).
@@ -682,11 +686,11 @@ class Controller:
         new = min(concurrency.ceiling, c * factor)
         new_depth = depth.value
         if depth.auto:
-            wanted = math.ceil(2 * new / max(1.0, per_batch))
+            wanted = math.ceil(2 * new / max(1.0, w.per_batch))
             new_depth = max(depth.value, min(depth.ceiling, wanted))
             while new_depth > depth.value and not self._fits(workers.value, new_depth, w):
                 new_depth -= 1
-        room = new_depth * per_batch
+        room = new_depth * w.per_batch
         # Beyond the samples in flight a worker holds, more fetches at once do nothing.
         new = min(new, max(c, math.floor(room)))
         if new <= c:
@@ -726,11 +730,10 @@ class Controller:
         # each keeps the consumer fed, with fewer batches (and slabs) in flight. An async
         # dataset's concurrency keeps the room it fills (half of depth x batch size).
         depth, concurrency = self.depth, self.concurrency
-        per_batch = w.samples / w.batches if w.batches else 1.0
         if (
             depth.can_shrink()
             and w.busy <= SHRINK_DEPTH_BUSY
-            and (concurrency.value <= 1 or 2 * concurrency.value <= (depth.value - 1) * per_batch)
+            and (concurrency.value <= 1 or 2 * concurrency.value <= (depth.value - 1) * w.per_batch)
         ):
             return self._try(
                 depth,
@@ -922,7 +925,7 @@ def _is_auto(value: Any) -> bool:
 def _budget_bytes(max_memory: Any) -> int:
     """``max_memory`` as whole bytes: an integer (numpy's too), or a float such as ``2e9``;
     a bool, a string or anything under one byte is refused."""
-    value: float | int | None = None
+    value: int | None = None
     if not isinstance(max_memory, bool):
         if isinstance(max_memory, numbers.Integral):
             value = int(max_memory)
@@ -933,7 +936,7 @@ def _budget_bytes(max_memory: Any) -> int:
             "max_memory option should be None or a positive number of bytes, but got "
             f"max_memory={max_memory!r}"
         )
-    return int(value)
+    return value
 
 
 def auto_arguments(
