@@ -46,7 +46,8 @@ test: lint docs unit
 
 # tests/conformance and a smoke subset (tools/compat/smoke.txt) against every torch release of
 # tools/compat/releases.txt, as users install them (the registry's CUDA builds, and the CPU
-# wheel). One venv per release, kept between runs outside the checkout in
+# wheel), and under the other Pythons of tools/compat/pythons.txt (pyenv's 3.12 and 3.13 with the
+# registry's torch). One venv per entry, kept between runs outside the checkout in
 # $AIOLOAD_COMPAT_DIR (default ~/.cache/aioload-compat); aioload runs from this checkout.
 test-compat:
 	$(PYTHON) tools/compat/matrix.py

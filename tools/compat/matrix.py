@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """``make test-compat``: the conformance suite and a smoke subset against every torch release of
-tools/compat/releases.txt, each in a venv of its own, as users install torch from the registry.
+tools/compat/releases.txt, each in a venv of its own, as users install torch from the registry;
+and against the other Pythons of tools/compat/pythons.txt, each with the torch release it names.
 
 One venv per release lives outside the checkout, in ``$AIOLOAD_COMPAT_DIR`` (default
 ``~/.cache/aioload-compat``), as ``torch-<release>``. A venv whose stamp file matches what it
@@ -29,6 +30,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,6 +45,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 RELEASES = HERE / "releases.txt"
+PYTHONS = HERE / "pythons.txt"
 SMOKE = HERE / "smoke.txt"
 CONSTRAINTS = HERE / "constraints.txt"
 LOCKS = HERE / "locks"
@@ -83,6 +86,30 @@ def listed(path: Path) -> list[str]:
     return entries
 
 
+def find_python(version: str) -> str:
+    """The interpreter of Python ``version`` (``3.12``): pyenv's build of it where pyenv has one
+    (the machine images keep theirs there), else ``python<version>`` on the PATH."""
+    roots = [os.environ.get("PYENV_ROOT", ""), str(Path.home() / ".pyenv")]
+    for root in filter(None, roots):
+        builds = sorted(Path(root, "versions").glob(f"{version}.*/bin/python{version}"))
+        if builds:
+            return str(builds[-1])
+    found = shutil.which(f"python{version}")
+    if found is None:
+        raise FileNotFoundError(f"no Python {version} here (pythons.txt asks for it)")
+    return found
+
+
+def matrix_entries() -> list[str]:
+    """releases.txt's releases under this Python, then pythons.txt's (``VERSION RELEASE`` lines)
+    as ``RELEASE@VERSION``."""
+    entries = listed(RELEASES)
+    for line in listed(PYTHONS):
+        version, release = line.split()
+        entries.append(f"{release}@{version}")
+    return entries
+
+
 def compat_dir() -> Path:
     configured = os.environ.get("AIOLOAD_COMPAT_DIR")
     return Path(configured) if configured else Path.home() / ".cache" / "aioload-compat"
@@ -107,8 +134,12 @@ class Result:
 
 
 class Release:
+    """One entry of the matrix: a torch release (``2.13.0``), or a torch release under another
+    Python (``2.13.0@3.12``, from pythons.txt), each in a venv of its own."""
+
     def __init__(self, release: str, base: Path) -> None:
         self.release = release
+        self.torch, _, self.python_version = release.partition("@")
         self.venv = base / f"torch-{release}"
         self.python = self.venv / "bin" / "python"
         self.lock = LOCKS / f"torch-{release}.txt"
@@ -116,7 +147,11 @@ class Release:
 
     @property
     def requirement(self) -> str:
-        return f"torch=={self.release}"
+        return f"torch=={self.torch}"
+
+    def interpreter(self) -> str:
+        """The Python the venv is made with: this one, or the named version's."""
+        return find_python(self.python_version) if self.python_version else sys.executable
 
     def wanted_stamp(self) -> str:
         digest = hashlib.sha256()
@@ -128,7 +163,7 @@ class Release:
                 "requirement": self.requirement,
                 "test_deps": TEST_DEPS,
                 "pins": digest.hexdigest(),
-                "python": sys.version.split()[0],
+                "python": self.python_version or sys.version.split()[0],
             },
             sort_keys=True,
         )
@@ -212,7 +247,7 @@ def ensure_venv(rel: Release, result: Result, relock: bool) -> bool:
         env = pip_env()
         if not rel.python.exists():
             say(f"[{rel.release}] creating {rel.venv}")
-            code = run_logged([sys.executable, "-m", "venv", str(rel.venv)], log, 300, env)
+            code = run_logged([rel.interpreter(), "-m", "venv", str(rel.venv)], log, 300, env)
             if code != 0:
                 result.error = f"venv creation failed (see {log})"
                 return False
@@ -254,7 +289,7 @@ def write_lock(rel: Release, env: dict[str, str]) -> None:
     ]
     LOCKS.mkdir(exist_ok=True)
     rel.lock.write_text(
-        f"# What torch=={rel.release} brings, as installed by tools/compat/matrix.py "
+        f"# What torch=={rel.torch} brings, as installed by tools/compat/matrix.py "
         "(--relock rewrites this).\n" + "\n".join(sorted(own, key=str.lower)) + "\n"
     )
 
@@ -387,12 +422,12 @@ def main() -> int:
     parser.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments")
     args = parser.parse_args()
 
-    releases = listed(RELEASES)
+    releases = matrix_entries()
     chosen = args.release or os.environ.get("AIOLOAD_COMPAT_RELEASES", "").split()
     if chosen:
         unknown = sorted(set(chosen) - set(releases))
         if unknown:
-            parser.error(f"not in {RELEASES.relative_to(ROOT)}: {' '.join(unknown)}")
+            parser.error(f"not in the matrix: {' '.join(unknown)}")
         releases = [r for r in releases if r in chosen]
     tests = ["tests/conformance", *listed(SMOKE)]
     base = compat_dir()
@@ -410,7 +445,7 @@ def main() -> int:
         )
     wall = time.monotonic() - started
 
-    say("\ntorch release      build                      venv       result")
+    say("\ntorch[@python]     build                      venv       result")
     for result in results:
         say(f"{result.release:<18} {result.build:<26} {result.venv:<10} {_line(result)}")
         for note in result.notes:
