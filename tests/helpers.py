@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,17 @@ _REPO = str(Path(__file__).resolve().parents[1])
 #: against a hang (see ``within``) is multiplied by it. ``AIOLOAD_TEST_TIME_SCALE=3 make test``
 #: on a loaded CI runner or under a debugger; 1 by default.
 TIME_SCALE = float(os.environ.get("AIOLOAD_TEST_TIME_SCALE", "1"))
+
+
+def ignore_fork_in_threads() -> None:
+    """Inside ``warnings.catch_warnings()``: drop Python 3.12+'s DeprecationWarning that a
+    process with more than one OS thread forks. CPython counts the OS threads, torch's own
+    thread pools among them, so it is said for torch's loader and aioload's alike, depending on
+    what ran before in the process; the tests that compare warnings with torch's compare what
+    the loaders say, not that."""
+    warnings.filterwarnings(
+        "ignore", message=r"This process \(pid=\d+\) is multi-threaded", category=DeprecationWarning
+    )
 
 
 def within(seconds: float) -> float:

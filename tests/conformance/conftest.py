@@ -28,6 +28,7 @@ import torch
 import torch.utils.data
 
 import aioload
+from tests.helpers import ignore_fork_in_threads
 
 T = TypeVar("T")
 
@@ -106,6 +107,7 @@ def outcome(call: Callable[[], Any]) -> Outcome:
     """Run ``call``; keep its value or its exception, and the warnings it emitted."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        ignore_fork_in_threads()
         try:
             value = call()
         except Exception as error:  # the exception is the result under test

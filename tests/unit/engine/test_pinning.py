@@ -22,7 +22,7 @@ import aioload
 import aioload.loader
 from aioload._backends.process import WorkerPool
 from aioload._engine.pinning import PinTransfer, Transfer, make_transfer, torch_pin_plan
-from tests.helpers import wait_until, within
+from tests.helpers import ignore_fork_in_threads, wait_until, within
 from tests.scripts.datasets import Numbers
 
 pytestmark = pytest.mark.timeout(60)
@@ -204,9 +204,11 @@ def test_pin_memory_without_accelerator_warns_and_yields_plain_batches(
 ) -> None:
     with warnings.catch_warnings(record=True) as ours_said:
         warnings.simplefilter("always")
+        ignore_fork_in_threads()
         ours = list(aioload.DataLoader(Numbers(10), batch_size=3, num_workers=2, pin_memory=True))
     with warnings.catch_warnings(record=True) as torch_said:
         warnings.simplefilter("always")
+        ignore_fork_in_threads()
         ref = list(torch.utils.data.DataLoader(Numbers(10), batch_size=3, pin_memory=True))
     # What the installed torch says ("no accelerator is found" from torch 2.9; nothing before).
     assert [str(w.message) for w in ours_said] == [str(w.message) for w in torch_said]
