@@ -4,9 +4,12 @@ the same contract.
 
 It answers each task after a scripted delay, can lose a worker when it is handed a given task
 (taking every task it held down with it), can answer a task with a worker error, can end a
-worker's IterableDataset stream from a given task on, and can hang on a task (``HANG``). It
-records what the engine asked of it (``submits``, ``restarts``, ``abandoned``, ``awaited``) so
-that a test can check the engine's side of the contract too.
+worker's IterableDataset stream from a given task on, and can hang on a task (``HANG``). Its
+delays are counted on the machine's clock, or on a ``VirtualClock`` that jumps to the next
+scripted answer whenever the engine would wait for one (trio's ``MockClock`` with an autojump
+threshold of 0), so that an ordering script takes no time at all. It records what the engine
+asked of it (``submits``, ``restarts``, ``abandoned``, ``awaited``) so that a test can check
+the engine's side of the contract too.
 
 Given the loader's ``WorkerSpec`` (``FakeWorkers``, passed as ``DataLoader(workers=...)``), it
 also runs the loader itself, forking nothing: each worker slot is a ``_worker.main.WorkerStep``
@@ -46,17 +49,31 @@ from .base import OUT_OF_PROCESS, BackendTraits, Waitable, WorkerBackend, Worker
 if TYPE_CHECKING:
     from .._worker.main import WorkerConfig, WorkerStep
 
-__all__ = ["HANG", "FakeBackend", "FakeWorkers"]
+__all__ = ["HANG", "FakeBackend", "FakeWorkers", "VirtualClock"]
 
 # A delay that never ends: the task is never answered.
 HANG = math.inf
+
+
+class VirtualClock:
+    """The fake's own time, for its scripted delays: it stands still while the engine works,
+    and jumps to the next scripted answer when the engine would wait. Only the fake reads it;
+    the engine's ``timeout`` is counted on the machine's clock, so a task that hangs (``HANG``)
+    is still waited for in real time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def jump_to(self, when: float) -> None:
+        self.now = max(self.now, when)
 
 
 class FakeBackend:
     """A scripted ``WorkerBackend``. ``delay(task_id) -> seconds`` (HANG: never answers);
     ``lose_on``: task ids whose first delivery kills the worker that gets it;
     ``fail``: task ids answered with a worker error; ``ends``: worker -> task id from which
-    that worker's IterableDataset stream answers StreamEnded.
+    that worker's IterableDataset stream answers StreamEnded. Set ``clock`` to a
+    ``VirtualClock`` to count the delays on it instead of on the machine's clock.
 
     With ``spec`` (the loader's), each slot runs the loader's dataset and collate through its
     own ``WorkerStep``, seeded from ``base_seed`` as a pool's worker is; without, a task is
@@ -77,6 +94,7 @@ class FakeBackend:
         base_seed: int = 0,
     ) -> None:
         self.num_workers = num_workers
+        self.clock: VirtualClock | None = None
         self.retired = False
         self.closed = False
         self.delay = delay
@@ -134,8 +152,12 @@ class FakeBackend:
             self.results[(worker_id, task_id)] = self.slots[worker_id].run(
                 Task(task_id, self.generation, indices), self
             )
-        self.pending.append((time.monotonic() + self.delay(task_id), worker_id, task_id, indices))
+        self.pending.append((self.now() + self.delay(task_id), worker_id, task_id, indices))
         self.max_outstanding = max(self.max_outstanding, len(self.pending))
+
+    def now(self) -> float:
+        """The time the scripted delays are counted on."""
+        return time.monotonic() if self.clock is None else self.clock.now
 
     def _ended(self, worker_id: int, task_id: int) -> bool:
         return worker_id in self.ends and task_id >= self.ends[worker_id]
@@ -147,7 +169,7 @@ class FakeBackend:
             del self.results[key]
 
     def poll(self) -> list[Event]:
-        now = time.monotonic()
+        now = self.now()
         events: list[Event] = []
         ready = sorted(p for p in self.pending if p[0] <= now)
         self.pending = [p for p in self.pending if p[0] > now]
@@ -179,11 +201,14 @@ class FakeBackend:
 
     def waitable(self, awaited: int | None = None) -> Waitable:
         """Nothing to watch: the engine sleeps until the soonest scripted answer is due (at
-        most a second, as a real backend's health-check period), as it would on a pool."""
+        most a second, as a real backend's health-check period), as it would on a pool. On a
+        virtual clock, time jumps to that answer instead, and the engine does not sleep."""
         # What the engine said it waits for, with what was in flight then (task id -> worker).
         self.awaited.append((awaited, {p[2]: p[1] for p in self.pending}))
         soonest = min((p[0] for p in self.pending), default=math.inf)
-        return Waitable(budget=max(0.0, min(soonest - time.monotonic(), 1.0)))
+        if self.clock is not None and soonest != math.inf:
+            self.clock.jump_to(soonest)
+        return Waitable(budget=max(0.0, min(soonest - self.now(), 1.0)))
 
     def restart(self, worker_id: int, plan: PassPlan | None = None) -> None:
         self.restarts.append(worker_id)
@@ -309,8 +334,8 @@ class FakeWorkers:
     """``DataLoader(..., num_workers=n, workers=FakeWorkers(...))``: the loader's workers as
     the slots of a ``FakeBackend`` that runs the loader's own dataset in the calling process,
     with no process forked, the scripts (``delay``, ``lose_on``, ``fail``, ``ends``, as
-    ``FakeBackend`` takes them) applied to each pass's backend. The backends made, one per
-    pass (or one for a persistent loader), are in ``made``."""
+    ``FakeBackend`` takes them, and its ``clock``) applied to each pass's backend. The backends
+    made, one per pass (or one for a persistent loader), are in ``made``."""
 
     def __init__(
         self,
@@ -318,11 +343,13 @@ class FakeWorkers:
         lose_on: set[int] | None = None,
         fail: set[int] | None = None,
         ends: dict[int, int] | None = None,
+        clock: VirtualClock | None = None,
     ) -> None:
         self.delay = delay
         self.lose_on = set(lose_on or ())
         self.fail = set(fail or ())
         self.ends = dict(ends or {})
+        self.clock = clock
         self.made: list[FakeBackend] = []
 
     def make_backend(self, spec: WorkerSpec, base_seed: int) -> WorkerBackend:
@@ -335,6 +362,7 @@ class FakeWorkers:
             spec=spec,
             base_seed=base_seed,
         )
+        backend.clock = self.clock
         self.made.append(backend)
         return backend
 
