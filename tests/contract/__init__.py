@@ -1,0 +1,1 @@
+"""The backend contract suite: one set of cases that every worker backend passes."""
