@@ -532,13 +532,15 @@ def render_summary(meta: dict[str, Any], rows: list[SummaryRow], benchmarks_link
         body.append([w, SUMMARY_WHAT.get(w, WORKLOADS[w].description), *cells])
     cfg = meta["config"]
     workers = cfg.get("num_workers", 2)
+    machine = meta["machine"]
     lines = [
         SUMMARY_BEGIN,
         f"aioload's items/s over torch's DataLoader's, in steady state, with {workers} workers: "
-        f"medians of {cfg['repeats']} alternating runs of `make bench` on a "
-        f"{meta['machine']['usable_cores']}-core machine. The method, the full results (time "
-        f"to the first batch, memory, the training process's CPU time, each workload's "
-        f"no-loader floor and other loaders) and the machine are on "
+        f"medians of {cfg['repeats']} alternating runs of `make bench` on "
+        f"{machine['date_utc'].split(' ')[0]} at commit {machine['git_rev']}, on a "
+        f"{machine['usable_cores']}-core machine ({machine['cpu_model']}). The method, the full "
+        f"results (time to the first batch, memory, the training process's CPU time, each "
+        f"workload's no-loader floor and other loaders) and the machine are on "
         f"[the benchmarks page]({benchmarks_link}).",
         "",
         markdown_table(header, body),
