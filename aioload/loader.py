@@ -6,7 +6,7 @@ import copy
 import dataclasses
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import torch
 import torch.distributed
@@ -162,6 +162,20 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             `(workers x prefetch_factor + 2) x` the bytes of a batch, enforced once a batch's
             size is known by lowering the prefetch depth first, then the workers: whole bytes
             (an integer, or a float such as `2e9`, rounded down). `None`: no bound.
+
+    Raises:
+        ValueError: An argument out of range or out of place: torch's own checks, with torch's
+            messages (`batch_sampler option is mutually exclusive with ...`, `num_workers option
+            should be non-negative ...`), and aioload's: `prefetch_factor=0` with workers;
+            `max_worker_restarts` negative, without workers or with an `IterableDataset`;
+            `worker_concurrency` above 1 (or an async `worker_init_fn`) with a sync dataset;
+            `shard`, `on_sample_error`, `max_skipped`, `sample_retries`,
+            `snapshot_every_n_steps` or `max_memory` out of range (`max_memory` also without
+            an `"auto"` to bound).
+        TypeError: `workers` is neither `None` nor `aioload.RayWorkers(...)`.
+        RuntimeError: `device` names an accelerator that is there but of another type, or a
+            device index past the last. (With no accelerator at all, a `UserWarning` instead,
+            and batches stay on the CPU.)
     """
 
     def __init__(
@@ -171,7 +185,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         shuffle: bool | None = None,
         sampler: Sampler[Any] | Iterable[Any] | None = None,
         batch_sampler: Sampler[list[Any]] | Iterable[list[Any]] | None = None,
-        num_workers: int | str = 0,
+        num_workers: int | Literal["auto"] = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         pin_memory: bool = False,
         drop_last: bool = False,
@@ -180,16 +194,16 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         multiprocessing_context: Any = None,
         generator: torch.Generator | None = None,
         *,
-        prefetch_factor: int | str | None = None,
+        prefetch_factor: int | Literal["auto"] | None = None,
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
         device: str | torch.device | None = None,
         max_worker_restarts: int = 0,
         seed_per_sample: bool = False,
-        shard: str = "none",
+        shard: Literal["none", "auto"] = "none",
         progress: bool = False,
-        worker_concurrency: int | str = 1,
+        worker_concurrency: int | Literal["auto"] = 1,
         workers: RayWorkers | WorkerFactory | None = None,
         on_sample_error: str | Callable[[Any, BaseException], str] = "raise",
         max_skipped: int | float | None = None,
@@ -310,7 +324,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         """Number the next pass ``epoch``. Iterating the loader again implies ``epoch + 1``,
         so calling this is only needed to jump. It reseeds what depends on the epoch: the
         shard's shuffle under torch.distributed (``DistributedSampler.set_epoch``, also for a
-        sampler you passed that has one) and ``seed_per_sample``."""
+        sampler you passed that has one) and ``seed_per_sample``.
+
+        Raises:
+            ValueError: ``epoch`` is not a non-negative integer.
+        """
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch should be a non-negative integer, but got epoch={epoch!r}")
         pending = self._pending_resume
@@ -348,6 +366,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         It holds what torchdata's StatefulDataLoader holds of a dataset, an iterator, a sampler
         or a batch sampler with ``state_dict()`` and ``load_state_dict()``: each one's state
         after the last batch yielded (each worker's copy of the dataset on its own).
+
+        Returns:
+            The state, a dict of plain data (its ``"format"`` key names the version).
+
+        Raises:
+            Exception: Whatever a Stateful dataset's, iterator's or sampler's own
+                ``state_dict()`` raises, unchanged. aioload raises nothing of its own here.
         """
         pending = self._pending_resume
         if pending is not None:
@@ -370,7 +395,20 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Make the next pass continue from ``state`` (from `state_dict()` of a loader
         built with the same arguments; ``num_workers`` may differ for a map-style dataset,
-        unless the dataset itself is Stateful and its workers' states were saved)."""
+        unless the dataset itself is Stateful and its workers' states were saved).
+
+        Raises:
+            ValueError: ``state`` is not an aioload state (not a dict, no ``"format"`` key, a
+                torchdata ``StatefulDataLoader`` state, a format from a newer aioload, or
+                corrupt), or it does not fit this loader: saved for a map-style dataset and
+                loaded for an iterable one (or the reverse), an IterableDataset's state or
+                per-worker dataset states with another ``num_workers``, or a state of a
+                dataset, sampler or sampler iterator that has no ``load_state_dict()`` here.
+
+        Warns:
+            UserWarning: An IterableDataset without ``state_dict()`` is resumed by
+                fast-forward: its streams re-read and drop what they had yielded.
+        """
         parsed = parse_state(state)
         progress = parsed.progress
         in_progress = parsed.in_progress
@@ -433,7 +471,24 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         """One pass over the data with `for`: each call starts a new pass (new workers, unless
         `persistent_workers`). No event loop is involved; the calling thread blocks only while
         it waits for a batch. `close()` on the iterator stops the pass's workers at once;
-        dropping it does the same."""
+        dropping it does the same.
+
+        Returns:
+            The pass's iterator: `next()` gives the next batch; `len()` is `len(loader)`;
+            `close()` ends the pass and stops its workers now (idempotent; a closed iterator
+            raises `StopIteration`).
+
+        Raises:
+            Exception: From `next()`: an exception of your dataset, `collate_fn` or
+                `worker_init_fn`, with its own type and the worker's traceback;
+                `aioload.WorkerError` where that type cannot be rebuilt;
+                `aioload.WorkerDiedError` when a worker dies (past `max_worker_restarts`);
+                `aioload.DataLoaderTimeoutError` past `timeout`;
+                `aioload.TooManySampleErrors` past `max_skipped`. From `iter()`: torch's
+                `AssertionError` for `timeout > 0` with `num_workers=0`; the pickling error
+                of a dataset that cannot be pickled under `spawn` or `forkserver` is raised
+                when the workers start.
+        """
         iterator = _SyncIterator(pass_engine(self, offload_inline=False), len_fn=self.__len__)
         if self.progress:
             from . import _progress  # only a loader with a progress bar needs it
@@ -446,7 +501,20 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         or trio): each call starts a new pass. Waiting for a batch never blocks the loop, and
         every `__anext__` yields to it once. A cancellation ends the pass and stops its
         workers. The iterator is an async context manager; `await it.aclose()` stops its
-        workers without blocking the loop."""
+        workers without blocking the loop.
+
+        Returns:
+            The pass's async iterator: `await anext(it)` gives the next batch; `await
+            it.aclose()` ends the pass and stops its workers without blocking the loop
+            (idempotent); `async with aiter(loader) as it:` calls `aclose()` on the way out.
+
+        Raises:
+            Exception: From `__anext__`, the same as `__iter__`'s `next()`: your code's
+                exception with its own type, `aioload.WorkerError`,
+                `aioload.WorkerDiedError`, `aioload.DataLoaderTimeoutError`,
+                `aioload.TooManySampleErrors`. `RuntimeError` when two tasks await the same
+                iterator's `__anext__` at once.
+        """
         _lazy.warm_async()
         iterator = _AsyncIterator(pass_engine(self, offload_inline=True))
         if self.progress:
@@ -517,7 +585,9 @@ class _SyncIterator:
         return self._len_fn()
 
     def close(self) -> None:
-        """Stop this pass's workers now (``del`` or garbage collection does it too)."""
+        """End the pass and stop its workers now (``del`` or garbage collection does it too).
+        Batches already yielded stay valid; the iterator raises ``StopIteration`` from then
+        on. Calling it again does nothing."""
         self._engine.close()
 
     def __del__(self) -> None:
@@ -563,8 +633,10 @@ class _AsyncIterator:
         return batch
 
     async def aclose(self) -> None:
-        """Stop this pass's workers without blocking the loop. A checkpoint, like every
-        ``aclose``: it yields to the loop even when there is nothing left to stop."""
+        """End the pass and stop its workers without blocking the loop. Batches already
+        yielded stay valid; the iterator raises ``StopAsyncIteration`` from then on. Calling
+        it again does nothing. A checkpoint, like every ``aclose``: it yields to the loop even
+        when there is nothing left to stop."""
         await self._engine.aclose()
 
     async def __aenter__(self) -> _AsyncIterator:
