@@ -151,7 +151,6 @@ def test_every_error_attribute_is_documented(name: str) -> None:
         "DataLoader.__iter__",
         "DataLoader.__aiter__",
         "DataLoader.load_state_dict",
-        "DataLoader.state_dict",
         "DataLoader.set_epoch",
         "progress",
         "RayWorkers",
