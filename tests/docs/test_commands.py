@@ -59,3 +59,16 @@ def test_every_make_target_exists() -> None:
     targets = set(re.findall(r"^([a-z][\w-]*):", makefile, re.M))
     missing = [(page, t) for page, t in _commands(TARGET) if t not in targets]
     assert not missing, f"make targets the pages name that the Makefile lacks: {missing}"
+
+
+def test_every_test_file_a_page_cites_exists() -> None:
+    cited = sorted(
+        {
+            (str(page.relative_to(ROOT)), path)
+            for page in PAGES
+            for path in re.findall(r"\b(tests/[\w/]+\.py)", page.read_text())
+        }
+    )
+    assert cited, "no page cites a test file (the pattern is broken)"
+    missing = [(page, path) for page, path in cited if not (ROOT / path).exists()]
+    assert not missing, f"pages cite test files that do not exist: {missing}"
