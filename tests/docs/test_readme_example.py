@@ -64,3 +64,10 @@ def test_the_first_block_runs_as_a_user_would(tmp_path: Path, start_method: str 
         "async for: 16 batches",
     ]
     assert "Warning" not in finished.stderr, finished.stderr[-3000:]
+
+
+def test_the_readme_promises_only_what_the_settings_give() -> None:
+    # A hung sample with the default timeout=0 is waited for, as in torch: no "never hangs".
+    head = (ROOT / "README.md").read_text().split("## Install", 1)[0]
+    assert "never hangs" not in head
+    assert "timeout=0" in head and "max_worker_restarts" in head
