@@ -737,8 +737,11 @@ def render_markdown(meta: dict[str, Any], rows: list[SummaryRow], png_name: str)
     out += [
         "## Results",
         "",
-        f"Medians over {cfg['repeats']} repeats; every run is a fresh process, and the runs of "
-        "the loaders alternate.",
+        f"The tables down to *Method* are from one run: {meta['machine']['date_utc']}, "
+        f"commit {meta['machine']['git_rev']}, {meta['machine']['usable_cores']} usable cores "
+        f"({meta['machine']['cpu_model']}; see [Machine](#machine)); the sections after it come "
+        f"from runs of their own. Medians over {cfg['repeats']} repeats; every run is a fresh "
+        "process, and the runs of the loaders alternate.",
         "",
         f"![aioload's items/s over torch's, for each workload and mode, on a log scale]"
         f"({png_name})",
