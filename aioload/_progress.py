@@ -218,5 +218,12 @@ def progress(loader: Any, **tqdm_options: Any) -> Progress:
 
     ``tqdm_options`` go to ``tqdm`` (``desc``, ``leave``, ``position``, ``file``, ...). The
     total is ``len(loader)`` where the loader has one.
+
+    Raises:
+        Exception: While iterating, whatever iterating ``loader`` raises; nothing of its own.
+
+    Warns:
+        UserWarning: ``tqdm_options`` given for a loader built with ``progress=True``, which
+            draws its own bar: the options are ignored.
     """
     return Progress(loader, tqdm_options)

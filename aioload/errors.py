@@ -27,7 +27,8 @@ __all__ = [
 
 
 class LoaderError(RuntimeError):
-    """Base class of the errors aioload raises itself."""
+    """Base class of the errors aioload raises itself: catch it to catch the four below. Not
+    raised itself. A ``RuntimeError``, as torch's errors are in the same situations."""
 
 
 class WorkerError(LoaderError):
@@ -36,6 +37,9 @@ class WorkerError(LoaderError):
 
     Exceptions that can be re-created are re-raised with their original type instead, with the
     worker id and the worker's traceback in the message, as torch does.
+
+    Attributes:
+        worker_id: The worker the exception came from.
     """
 
     def __init__(self, message: str, *, worker_id: int | None = None) -> None:
@@ -44,7 +48,18 @@ class WorkerError(LoaderError):
 
 
 class WorkerDiedError(LoaderError):
-    """A worker process ended while the loader still needed it."""
+    """A worker process ended while the loader still needed it: killed by a signal (the
+    out-of-memory killer, a crash in a C extension) or exited. The message is torch's
+    (``DataLoader worker (pid N) is killed by signal: ...`` or ``... exited unexpectedly with
+    exit code N``), followed by the indices the worker held. With ``max_worker_restarts``, the
+    worker is replaced instead while restarts are left.
+
+    Attributes:
+        worker_id: The worker's id.
+        pid: Its process id (``None`` for a Ray actor).
+        exitcode: Its exit code; negative: the signal number, as in ``multiprocessing``
+            (``None`` for a Ray actor).
+    """
 
     def __init__(
         self,
@@ -61,7 +76,13 @@ class WorkerDiedError(LoaderError):
 
 
 class DataLoaderTimeoutError(LoaderError):
-    """No batch arrived within the loader's ``timeout``."""
+    """No batch arrived within the loader's ``timeout`` (only with ``timeout > 0``). The message
+    starts with torch's ``DataLoader timed out after N seconds``, then names the batch waited
+    for, the worker, its pid and the indices it holds.
+
+    Attributes:
+        timeout: The loader's ``timeout``, in seconds.
+    """
 
     def __init__(self, message: str, *, timeout: float | None = None) -> None:
         super().__init__(message)
@@ -72,8 +93,11 @@ class TooManySampleErrors(LoaderError):
     """A pass skipped more samples than ``max_skipped`` allows.
 
     The message gives the cap, the count, and the last few skipped indices with their errors.
-    ``max_skipped`` is the cap as a count of samples (a fraction already resolved), ``count``
-    the number skipped, ``skipped`` the records (``aioload.stats.SkippedSample``) of the pass.
+
+    Attributes:
+        max_skipped: The cap, as a count of samples (a fraction already resolved).
+        count: The number of samples skipped.
+        skipped: The pass's records (`aioload.SkippedSample`).
     """
 
     def __init__(

@@ -6,7 +6,7 @@ import copy
 import dataclasses
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import torch
 import torch.distributed
@@ -73,15 +73,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         batch_sampler: Draws a list of indices per batch; excludes `batch_size`, `shuffle`,
             `sampler` and `drop_last`.
         num_workers: How many worker processes load the data; 0 loads in the calling process
-            (under `async for`, in a thread, so the loop stays free). `"auto"`: aioload
-            chooses the count, and adjusts it while a pass runs from the pass's own
-            measurements (whether the consumer waits for data, whether the workers are busy
-            while cores are idle), at most one worker per usable core; see `max_memory`.
+            (under `async for`, in a thread). `"auto"`: aioload chooses the count and adjusts it
+            while a pass runs, from whether the consumer waits and whether workers are busy
+            while cores are idle, at most one per usable core; see `max_memory`.
         collate_fn: Merges a list of samples into a batch; runs in the workers. With torch's
             `default_collate` (the default) tensors are stacked straight into shared memory;
-            the tensors and arrays of any other `collate_fn`'s result are copied there. Under
-            the `spawn` and `forkserver` start methods it must be picklable: a module-level
-            function, not a lambda or a local function.
+            the tensors and arrays of any other's result are copied there. Under `spawn` and
+            `forkserver` it must be picklable (a module-level function, not a lambda).
         pin_memory: Copy each batch into page-locked memory before returning it, in a thread
             of its own. Needs an accelerator; without one you get torch's warning and plain
             batches.
@@ -106,41 +104,34 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             targets the current accelerator.
         in_order: `True` yields batches in sampler order; `False` as they complete, so a slow
             sample does not hold back the others. No effect with `num_workers=0`.
-        device: Where batches arrive: `None` (or `"cpu"`) leaves them in memory; `"cuda"` or
-            `"cuda:N"` copies each batch to that GPU in a thread of its own, pinned and with
-            `non_blocking=True` on a CUDA stream of its own, and your current stream waits on an
-            event (no host sync). Another accelerator's device is copied to in the same thread,
-            without streams. Where no accelerator is usable, a warning, and batches stay on the
-            CPU (as torch does with `pin_memory`); an accelerator other than the one named, or
-            a device index past the last, raises `RuntimeError` here.
+        device: Where batches arrive: `None` (or `"cpu"`) leaves them in memory; `"cuda:N"`
+            copies each batch to that GPU in a thread, pinned, `non_blocking` on a stream of its
+            own that your current stream waits on (no host sync); another accelerator without
+            streams. With no accelerator usable, a warning, and batches stay on the CPU.
         max_worker_restarts: How many times per pass a worker that dies (or hangs past
             `timeout`) is replaced by a new process with the same worker id, seed and
             `worker_init_fn`. Its unanswered batches are fetched again, so the epoch completes
             with every index exactly once, in order, and a `RuntimeWarning` names each death.
-            Past the limit, `aioload.WorkerDiedError` is raised as without restarts. Needs
-            `num_workers > 0`; refused for an `IterableDataset`, whose replacement would start
-            its stream over.
+            Past the limit, `aioload.WorkerDiedError` as without restarts. Needs workers and a
+            map-style dataset (an iterable one's replacement would start its stream over).
         seed_per_sample: Seed `random`, torch's CPU generator and numpy before each sample's
             fetch, from `(base seed, epoch, index)`: random augmentations are then bitwise the
             same for any `num_workers`, any `in_order`, and after `load_state_dict`. For async
             datasets each sample keeps its own random state across its awaits.
-        shard: `"none"` (the default) gives every rank the whole dataset, as torch's
-            DataLoader does. `"auto"`: under an initialized `torch.distributed`, with neither
-            `sampler` nor `batch_sampler` given, each rank iterates only its shard of the
-            dataset, with `DistributedSampler` semantics (padded unless `drop_last`, one
-            shuffle seed for all ranks, reshuffled every pass; `set_epoch()` jumps). The public
-            `sampler` and `batch_sampler` still describe the whole dataset, and `len(loader)`
-            counts this rank's batches. Build such a loader after `init_process_group`, on
-            every rank: with `shuffle`, agreeing on the seed is a collective.
+        shard: `"none"` (the default): every rank gets the whole dataset, as in torch.
+            `"auto"`: under `torch.distributed`, with no `sampler` or `batch_sampler`, each rank
+            iterates its shard, as a `DistributedSampler` (padded unless `drop_last`, one seed
+            for all ranks, reshuffled every pass). `sampler` and `batch_sampler` still describe
+            the whole dataset; `len(loader)` counts this rank's batches. Build it after
+            `init_process_group`, on every rank: with `shuffle`, the seed is a collective.
         progress: Draw a tqdm progress bar for each pass, with batches/s and the live share
             of time spent waiting for data. `aioload.progress(loader)` does the same for one
             pass.
         worker_concurrency: For an async dataset: how many samples each worker fetches at
-            once, on its own event loop (with `num_workers=0`, in the calling process).
-            Batches still come out complete and in order. Above 1 with a sync dataset it
-            raises `ValueError`. `"auto"`: for an async dataset, adjusted while a pass runs
-            (from 4, doubling up to 256, while the extra fetches in flight bring more samples
-            per second); for a sync dataset, 1.
+            once, on its own event loop (with `num_workers=0`, in the calling process); batches
+            still come out complete and in order. Above 1 with a sync dataset: `ValueError`.
+            `"auto"`: adjusted while a pass runs (from 4, doubling up to 256, while more fetches
+            in flight bring more samples per second); 1 for a sync dataset.
         workers: Where the `num_workers` workers run: `None` for local processes, or
             `aioload.RayWorkers(...)` for Ray actors on a Ray cluster (needs the `ray` extra).
         on_sample_error: What a sample that fails to load does: `"raise"` (the default, as in
@@ -157,11 +148,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         snapshot_every_n_steps: Accepted for torchdata's `StatefulDataLoader`, whose users
             then change only the import; `None` or a non-negative integer. It changes nothing
             here: `state_dict()` is exact after every batch.
-        max_memory: With `num_workers="auto"` or `prefetch_factor="auto"` (and only with
-            one of them): the most bytes of batches the choice may keep in flight, counted as
-            `(workers x prefetch_factor + 2) x` the bytes of a batch, enforced once a batch's
-            size is known by lowering the prefetch depth first, then the workers: whole bytes
-            (an integer, or a float such as `2e9`, rounded down). `None`: no bound.
+        max_memory: With `num_workers="auto"` or `prefetch_factor="auto"` (only then): the
+            most bytes of batches in flight, `(workers x prefetch_factor + 2) x` a batch's
+            bytes, enforced once a batch's size is known by lowering the depth, then the
+            workers. An integer, or a float such as `2e9`; `None`: no bound.
+
+    Raises:
+        ValueError: An argument out of range: torch's checks (its messages), then aioload's.
+        TypeError: `workers` is neither `None` nor `aioload.RayWorkers(...)`.
+        RuntimeError: `device` is an accelerator type or index that is not there.
     """
 
     def __init__(
@@ -171,7 +166,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         shuffle: bool | None = None,
         sampler: Sampler[Any] | Iterable[Any] | None = None,
         batch_sampler: Sampler[list[Any]] | Iterable[list[Any]] | None = None,
-        num_workers: int | str = 0,
+        num_workers: int | Literal["auto"] = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         pin_memory: bool = False,
         drop_last: bool = False,
@@ -180,16 +175,16 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         multiprocessing_context: Any = None,
         generator: torch.Generator | None = None,
         *,
-        prefetch_factor: int | str | None = None,
+        prefetch_factor: int | Literal["auto"] | None = None,
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
         device: str | torch.device | None = None,
         max_worker_restarts: int = 0,
         seed_per_sample: bool = False,
-        shard: str = "none",
+        shard: Literal["none", "auto"] = "none",
         progress: bool = False,
-        worker_concurrency: int | str = 1,
+        worker_concurrency: int | Literal["auto"] = 1,
         workers: RayWorkers | WorkerFactory | None = None,
         on_sample_error: str | Callable[[Any, BaseException], str] = "raise",
         max_skipped: int | float | None = None,
@@ -310,7 +305,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         """Number the next pass ``epoch``. Iterating the loader again implies ``epoch + 1``,
         so calling this is only needed to jump. It reseeds what depends on the epoch: the
         shard's shuffle under torch.distributed (``DistributedSampler.set_epoch``, also for a
-        sampler you passed that has one) and ``seed_per_sample``."""
+        sampler you passed that has one) and ``seed_per_sample``.
+
+        Raises:
+            ValueError: ``epoch`` is not a non-negative integer."""
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch should be a non-negative integer, but got epoch={epoch!r}")
         pending = self._pending_resume
@@ -370,7 +368,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Make the next pass continue from ``state`` (from `state_dict()` of a loader
         built with the same arguments; ``num_workers`` may differ for a map-style dataset,
-        unless the dataset itself is Stateful and its workers' states were saved)."""
+        unless the dataset itself is Stateful and its workers' states were saved).
+
+        Raises:
+            ValueError: ``state`` is not an aioload state, or was saved by another loader."""
         parsed = parse_state(state)
         progress = parsed.progress
         in_progress = parsed.in_progress
@@ -431,9 +432,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         """One pass over the data with `for`: each call starts a new pass (new workers, unless
-        `persistent_workers`). No event loop is involved; the calling thread blocks only while
-        it waits for a batch. `close()` on the iterator stops the pass's workers at once;
-        dropping it does the same."""
+        `persistent_workers`). No event loop; the thread blocks only while it waits for a batch.
+
+        Returns:
+            The pass's iterator; `close()` on it stops the workers now, as dropping it does.
+
+        Raises:
+            Exception: From `next()`: your code's exception, with its type; a `LoaderError`."""
         iterator = _SyncIterator(pass_engine(self, offload_inline=False), len_fn=self.__len__)
         if self.progress:
             from . import _progress  # only a loader with a progress bar needs it
@@ -444,9 +449,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
     def __aiter__(self) -> AsyncIterator[Any]:
         """One pass over the data with `async for`, on the running event loop (asyncio, uvloop
         or trio): each call starts a new pass. Waiting for a batch never blocks the loop, and
-        every `__anext__` yields to it once. A cancellation ends the pass and stops its
-        workers. The iterator is an async context manager; `await it.aclose()` stops its
-        workers without blocking the loop."""
+        every `__anext__` yields to it once. A cancellation ends the pass and stops its workers.
+
+        Returns:
+            The pass's iterator, an async context manager; `await it.aclose()` stops its workers.
+
+        Raises:
+            Exception: As `__iter__`'s; `RuntimeError` for two `__anext__` at once."""
         _lazy.warm_async()
         iterator = _AsyncIterator(pass_engine(self, offload_inline=True))
         if self.progress:
@@ -517,7 +526,9 @@ class _SyncIterator:
         return self._len_fn()
 
     def close(self) -> None:
-        """Stop this pass's workers now (``del`` or garbage collection does it too)."""
+        """End the pass and stop its workers now (``del`` or garbage collection does it too).
+        Batches already yielded stay valid; the iterator raises ``StopIteration`` from then
+        on. Calling it again does nothing."""
         self._engine.close()
 
     def __del__(self) -> None:
@@ -563,8 +574,10 @@ class _AsyncIterator:
         return batch
 
     async def aclose(self) -> None:
-        """Stop this pass's workers without blocking the loop. A checkpoint, like every
-        ``aclose``: it yields to the loop even when there is nothing left to stop."""
+        """End the pass and stop its workers without blocking the loop. Batches already
+        yielded stay valid; the iterator raises ``StopAsyncIteration`` from then on. Calling
+        it again does nothing. A checkpoint, like every ``aclose``: it yields to the loop even
+        when there is nothing left to stop."""
         await self._engine.aclose()
 
     async def __aenter__(self) -> _AsyncIterator:

@@ -33,17 +33,22 @@ RESERVOIR_SIZE = 1024
 
 @dataclass(frozen=True)
 class SkippedSample:
-    """One sample the pass skipped (``on_sample_error="skip"``, or the callable said so)."""
+    """One sample the pass skipped (``on_sample_error="skip"``, or the callable said so).
 
-    # The sampler's index (map-style); for an IterableDataset, the element's position in its
-    # worker's stream (0 for the first element that worker drew this pass).
+    Attributes:
+        index: The sampler's index (map-style); for an IterableDataset, the element's position
+            in its worker's stream (0 for the first element that worker drew this pass).
+        error: The exception's type and message, as text: ``"OSError: image file is
+            truncated"``.
+        worker: The worker that fetched it; ``None`` for the calling process
+            (``num_workers=0``).
+        tries: How many times it was tried: ``1 + sample_retries`` for a fetch that kept
+            failing, 1 for a sample that could not be collated or sent (those are not retried).
+    """
+
     index: Any
-    # The exception's type and message, as text: "OSError: image file is truncated".
     error: str
-    # The worker that fetched it; None for the calling process (num_workers=0).
     worker: int | None
-    # How many times it was tried: 1 + sample_retries for a fetch that kept failing, 1 for a
-    # sample that could not be collated or sent (those are not retried).
     tries: int
 
     def as_dict(self) -> dict[str, Any]:
@@ -117,21 +122,31 @@ class SkipCap:
 
 @dataclass(frozen=True)
 class WorkerStats:
-    """One worker slot (a replacement worker keeps its predecessor's slot)."""
+    """One worker slot (a replacement worker keeps its predecessor's slot).
+
+    Attributes:
+        worker_id: The worker's id, as ``get_worker_info().id`` gives it in the worker.
+        tasks: The tasks (batches) it answered this pass.
+        busy_s: Seconds it spent on them (fetch, collate, copy into shared memory).
+        busy_fraction: ``busy_s`` over the wall time of the pass so far (0 to 1).
+        fetch_p50_s: The median time a task took in the worker, in seconds; ``None`` before
+            the first task.
+        fetch_p90_s: The 90th percentile of the same; ``None`` before the first task.
+        fetch_p99_s: The 99th percentile of the same; ``None`` before the first task.
+        restarts: How many times this slot's worker was replaced (``max_worker_restarts``).
+        where: Where the worker runs, as error messages name it: ``"pid 1234"`` for a local
+            process, the actor and its node for a Ray worker (``None`` in the calling
+            process).
+    """
 
     worker_id: int
     tasks: int
     busy_s: float
-    # Time spent on tasks over the wall time of the pass so far (0..1).
     busy_fraction: float
-    # Percentiles of the time a task took in the worker (fetch, collate, copy into shared
-    # memory), in seconds; None before the first task.
     fetch_p50_s: float | None
     fetch_p90_s: float | None
     fetch_p99_s: float | None
     restarts: int
-    # Where the worker runs, as error messages name it: "pid 1234" for a local process, the
-    # actor and its node for a Ray worker (None in the calling process).
     where: str | None = None
 
 
@@ -143,42 +158,66 @@ class LoaderStats:
     spent waiting inside ``next()`` for a batch, against the time it spent on each batch
     between two ``next()`` calls. Near 100 %, the loop waits on data (more workers, cheaper
     samples); near 0 %, the data is ready before the loop asks for it.
+
+    Attributes:
+        running: Whether the pass has begun and is still open (neither exhausted nor closed).
+        batches: Batches yielded so far.
+        samples: Samples in those batches.
+        elapsed_s: Seconds from the consumer's first ``next()`` to its last return:
+            ``waiting_s + between_s``.
+        waiting_s: Seconds the consumer spent inside ``next()`` (or ``__anext__``), waiting
+            for a batch.
+        between_s: Seconds the consumer spent between two ``next()`` calls: its own work on
+            each batch.
+        data_bound_pct: ``100 * waiting_s / elapsed_s``; ``None`` before the first batch.
+        batches_per_s: Batches yielded per second of ``elapsed_s``; ``None`` before the first
+            batch.
+        samples_per_s: Samples yielded per second of ``elapsed_s``; ``None`` before the first
+            batch.
+        in_flight: Tasks sent to workers and not yet answered, when the last batch was handed
+            over.
+        waiting_in_order: Answers waiting for their turn (reordering, or the pin stage), when
+            the last batch was handed over.
+        in_flight_mean: The mean of ``in_flight`` over the pass; ``None`` before the first
+            batch.
+        waiting_in_order_mean: The mean of ``waiting_in_order`` over the pass; ``None`` before
+            the first batch.
+        pin_batches: Batches the pin / host-to-device stage transferred (zero when the pass
+            has none), prefetched ones abandoned by a ``break`` included.
+        pin_s: The stage thread's seconds on them. With ``device="cuda"`` the copy itself is
+            asynchronous on the stage's stream, so this is pinning plus issuing the copy, not
+            the copy's duration on the GPU.
+        in_process: Whether the data is loaded in the calling process (``num_workers=0``),
+            which then counts as worker 0.
+        workers: One `WorkerStats` per worker slot.
+        skipped: The samples this pass skipped (``on_sample_error``), as `SkippedSample`
+            records, oldest first; a resumed pass carries on the list of the pass it resumes.
+        skipped_count: How many samples this pass skipped (a resumed pass's count included).
+        tuning: With ``"auto"`` for ``num_workers``, ``prefetch_factor`` or
+            ``worker_concurrency`` (see docs/tuning.md): the current choice, each change with
+            its reason and time, and the measurements used; ``None`` when every number is the
+            user's.
     """
 
-    # Whether the pass has begun and is still open (not exhausted nor closed).
     running: bool
     batches: int
     samples: int
-    # From the consumer's first ``next()`` to its last return: waiting_s + between_s.
     elapsed_s: float
     waiting_s: float
     between_s: float
-    # 100 * waiting_s / elapsed_s; None before the first batch.
     data_bound_pct: float | None
     batches_per_s: float | None
     samples_per_s: float | None
-    # Tasks sent and not yet answered, and answers waiting for their turn (reordering, or the
-    # pin stage), when the last batch was handed over; and their means over the pass.
     in_flight: int
     waiting_in_order: int
     in_flight_mean: float | None
     waiting_in_order_mean: float | None
-    # The pin / host-to-device stage (zero when the pass has none): batches it transferred
-    # (prefetched ones abandoned by a ``break`` included) and the stage thread's time on them.
-    # With ``device="cuda"`` the copy itself is asynchronous on the stage's stream, so pin_s is
-    # pinning plus issuing the copy, not the copy's duration on the GPU.
     pin_batches: int
     pin_s: float
-    # The calling process counts as worker 0 when num_workers=0.
     in_process: bool
     workers: list[WorkerStats] = field(default_factory=list)
-    # Samples this pass skipped (on_sample_error), oldest first, and how many; a resumed pass
-    # carries on the list and the count of the pass it resumes.
     skipped: list[SkippedSample] = field(default_factory=list)
     skipped_count: int = 0
-    # num_workers / prefetch_factor / worker_concurrency "auto" (docs/tuning.md): the current
-    # choice, each change with its reason and time, and the measurements used; None when
-    # every number is the user's.
     tuning: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:

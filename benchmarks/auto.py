@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime as _dt
 import json
 import os
 import platform
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import _one
+from benchmarks import report as report_module
 from benchmarks.runner import run_child
 from benchmarks.workloads import LATENCY_S, WORKLOADS, calibrate_cpu_iters
 
@@ -196,17 +198,27 @@ def _rate(value: float | None) -> str:
     return f"{value:.0f}"
 
 
+def _when(machine: dict[str, Any]) -> str:
+    """When and at which commit the run was made, as its JSON recorded them."""
+    if "date_utc" not in machine:
+        return str(machine.get("provenance", "(date and commit not recorded)"))
+    return f"on {machine['date_utc']} at commit {machine['git_rev']}"
+
+
 def _markdown(report: dict[str, Any]) -> str:
     machine = report["machine"]
     lines = [
         "# Benchmarks: auto against hand-set numbers",
         "",
-        f"`make bench-auto` on {machine['cores']} usable cores ({machine['platform']}; "
+        f"`make bench-auto` {_when(machine)}, on {machine['cores']} usable cores "
+        f"({machine.get('cpu_model', 'CPU not recorded')}; {machine['platform']}; "
         f"load average {machine.get('load_average', '-')}, the machine's other jobs included), "
         f"{report['rounds']} alternating rounds, {report['min_seconds']} s of steady state "
         "per run, each run a fresh process; medians. items/s counts from the first batch on, "
         "so the controller's first moves count against auto. Peak RSS is the run's process "
-        "tree (parent and workers).",
+        "tree (parent and workers). These runs are shorter than `make bench`'s and count the "
+        "controller's start, so compare figures within this page; the benchmarks page has the "
+        "steady-state figures of each loader, from its own run.",
         "",
         "The grid (num_workers x prefetch_factor, and worker_concurrency for the async "
         "datasets): "
@@ -217,7 +229,7 @@ def _markdown(report: dict[str, Any]) -> str:
         "`batch_size` only (no workers).",
         "",
         "| workload | auto items/s | auto's choice | best of grid | items/s | auto / best | "
-        "auto / torch defaults | |",
+        "auto / torch defaults | on target |",
         "|---|---|---|---|---|---|---|---|",
     ]
     memory = [
@@ -236,7 +248,7 @@ def _markdown(report: dict[str, Any]) -> str:
             f"| {row['workload']} | {_rate(auto['items_per_s'])} | {auto['choice'] or '-'} | "
             f"{best or '-'} | {_rate(best_row['items_per_s'])} | "
             f"{_pct(row['auto_of_best'])} | {_times(row['auto_of_torch_defaults'])} | "
-            f"{'PASS' if row['pass'] else 'FAIL'} |"
+            f"{'yes' if row['pass'] else 'no'} |"
         )
         memory.append(
             f"| {row['workload']} | {_mib(auto['peak_rss_mib'])} | "
@@ -245,8 +257,8 @@ def _markdown(report: dict[str, Any]) -> str:
     lines += memory
     lines += [
         "",
-        f"PASS: auto reaches {TARGET_OF_BEST:.0%} of the grid's best and is not below torch's "
-        "defaults. The full runs, every grid setting's median and each auto run's changes are "
+        f"On target: auto reaches {TARGET_OF_BEST:.0%} of the grid's best and is not below "
+        "torch's defaults. The full runs, every grid setting's median and each auto run's changes are "
         "in docs/benchmarks-auto.json.",
         "",
         "Every setting, items/s (median):",
@@ -492,6 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "machine": {
             "cores": usable_cores(),
+            "cpu_model": report_module._cpu_model(),
+            "date_utc": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+            "git_rev": report_module.git_rev(),
             "platform": platform.platform(),
             "load_average": f"{load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end",
         },

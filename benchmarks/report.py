@@ -187,6 +187,11 @@ def _mark(ok: bool, v: float) -> str:
     return "?" if math.isnan(v) else ("PASS" if ok else "FAIL")
 
 
+def _unmet(ok: bool, v: float) -> str:
+    """A page's word on a target: nothing where it is met (the page is a report, not a test)."""
+    return " (no figure)" if math.isnan(v) else ("" if ok else " (not met)")
+
+
 def _peer_cell(r: SummaryRow, peer: str) -> str:
     if peer in r.peers_absent:
         return "absent"
@@ -532,13 +537,15 @@ def render_summary(meta: dict[str, Any], rows: list[SummaryRow], benchmarks_link
         body.append([w, SUMMARY_WHAT.get(w, WORKLOADS[w].description), *cells])
     cfg = meta["config"]
     workers = cfg.get("num_workers", 2)
+    machine = meta["machine"]
     lines = [
         SUMMARY_BEGIN,
         f"aioload's items/s over torch's DataLoader's, in steady state, with {workers} workers: "
-        f"medians of {cfg['repeats']} alternating runs of `make bench` on a "
-        f"{meta['machine']['usable_cores']}-core machine. The method, the full results (time "
-        f"to the first batch, memory, the training process's CPU time, each workload's "
-        f"no-loader floor and other loaders) and the machine are on "
+        f"medians of {cfg['repeats']} alternating runs of `make bench` on "
+        f"{machine['date_utc'].split(' ')[0]} at commit {machine['git_rev']}, on a "
+        f"{machine['usable_cores']}-core machine ({machine['cpu_model']}). The method, the full "
+        f"results (time to the first batch, memory, the training process's CPU time, each "
+        f"workload's no-loader floor and other loaders) and the machine are on "
         f"[the benchmarks page]({benchmarks_link}).",
         "",
         markdown_table(header, body),
@@ -565,7 +572,7 @@ def results_tables(meta: dict[str, Any], rows: list[SummaryRow]) -> str:
                 fmt_ips(r.aioload_ips) + fmt_pct(r.pct_floor(r.aioload_ips)),
                 fmt_ips(r.torch_ips) + fmt_pct(r.pct_floor(r.torch_ips)),
                 f"**{fmt_ratio(r.ratio)}**",
-                f">= {r.target_ratio:g}x {_mark(r.ratio_ok, r.ratio)}",
+                f">= {r.target_ratio:g}x{_unmet(r.ratio_ok, r.ratio)}",
                 fmt_ips(r.floor_ips),
             ]
         )
@@ -598,7 +605,9 @@ def results_tables(meta: dict[str, Any], rows: list[SummaryRow]) -> str:
             "### Other loaders",
             "",
             "The same workloads under `for`, items/s (share of the floor): "
-            "`torchdata.nodes` and SPDL, next to aioload and torch's DataLoader.",
+            "`torchdata.nodes` and SPDL, next to aioload and torch's DataLoader. How each is "
+            "configured, and why SPDL's figures are not those of its own pipelines, is under "
+            "[Method](#method).",
             "",
             markdown_table(
                 ["workload", "aioload", "torch", *peers],
@@ -728,8 +737,11 @@ def render_markdown(meta: dict[str, Any], rows: list[SummaryRow], png_name: str)
     out += [
         "## Results",
         "",
-        f"Medians over {cfg['repeats']} repeats; every run is a fresh process, and the runs of "
-        "the loaders alternate.",
+        f"The tables down to *Method* are from one run: {meta['machine']['date_utc']}, "
+        f"commit {meta['machine']['git_rev']}, {meta['machine']['usable_cores']} usable cores "
+        f"({meta['machine']['cpu_model']}; see [Machine](#machine)); the sections after it come "
+        f"from runs of their own. Medians over {cfg['repeats']} repeats; every run is a fresh "
+        "process, and the runs of the loaders alternate.",
         "",
         f"![aioload's items/s over torch's, for each workload and mode, on a log scale]"
         f"({png_name})",
@@ -746,9 +758,9 @@ def render_markdown(meta: dict[str, Any], rows: list[SummaryRow], png_name: str)
             "figures come from is in [Benchmark notes](benchmark-notes.md).",
             "",
             markdown_table(
-                ["", "target", "measured"],
+                ["target", "measured", "met"],
                 [
-                    ["PASS" if t.ok else ("n/a" if t.ok is None else "**FAIL**"), t.name, t.figure]
+                    [t.name, t.figure, "yes" if t.ok else ("n/a" if t.ok is None else "**no**")]
                     for t in found
                 ],
             ),
@@ -815,9 +827,19 @@ def render_markdown(meta: dict[str, Any], rows: list[SummaryRow], png_name: str)
         "- **CPU per batch**: CPU time of the training process (all its threads, not the "
         "workers) from the first to the last batch, per batch.",
         "- **other loaders**: `torchdata.nodes` (sampler -> `Batcher` -> process "
-        "`ParallelMapper` that fetches and collates -> `Loader`) and SPDL "
-        "(`spdl.dataloader.get_pytorch_dataloader`), from the `bench` extra. Their failed "
-        "runs are counted in their cells and left out of their medians.",
+        "`ParallelMapper` that fetches and collates -> `Loader`) and SPDL, from the `bench` "
+        "extra. Their failed runs are counted in their cells and left out of their medians.",
+        "- **SPDL's configuration**: `spdl.dataloader.get_pytorch_dataloader(dataset, "
+        "batch_size=B, num_workers=2)`, its other arguments at their defaults "
+        "(`prefetch_factor=2`, `in_order=False`): SPDL's loader for an existing map-style "
+        "torch `Dataset`. It fetches and collates in a process pool, and each batch comes back "
+        "through the pool's result queue, pickled (SPDL 0.8.0's source). SPDL's published "
+        "gains over torch's DataLoader come from its thread-based `Pipeline`, with stages that "
+        "release the GIL, such as its own media decoders (its pages *Why migrate to SPDL?* and "
+        "*Building High-Performance DataLoaders*), which restructure a dataset into I/O and "
+        "CPU stages. These workloads are torch `Dataset`s as a DataLoader user has them; "
+        "rewritten as SPDL pipelines they would be other programs. So SPDL runs here in its "
+        "drop-in form, and its figures are not those of its pipelines.",
         "- `latency` and `http`: torch reads the synchronous version of the dataset, aioload "
         "the async one (`async def __getitem__`) with the workload's `worker_concurrency`; see "
         "[Async datasets](async-datasets.md).",

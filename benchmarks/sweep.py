@@ -90,7 +90,7 @@ def render_block(results: list[dict[str, Any]], meta: dict[str, Any], png_name: 
         report.SWEEP_BEGIN,
         "## How the cost grows (`make bench-sweep`)",
         "",
-        f"`{meta['command'].strip()}` on {meta['date_utc']} (git {meta['git_rev']}), "
+        f"`{report._command(meta['command']).strip()}` on {meta['date_utc']} (git {meta['git_rev']}), "
         f"{meta['cores']} cores; medians of {meta['repeats']} alternating run(s) of "
         f"{meta['min_seconds']:g} s steady state each"
         + (

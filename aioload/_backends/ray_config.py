@@ -22,6 +22,10 @@ class RayWorkers:
     else starts a local instance, as Ray Data does.
 
     Needs the ``ray`` extra: ``pip install 'aioload[ray]'``.
+
+    Raises:
+        ImportError: Ray is not installed; the message names the extra.
+        ValueError: ``num_cpus`` or ``num_gpus`` is negative.
     """
 
     def __init__(

@@ -103,3 +103,82 @@ def _shown_docstrings() -> Iterator[tuple[str, str]]:
 def test_no_raw_rest_roles_on_the_api_page() -> None:
     found = [where for where, doc in _shown_docstrings() if ROLE.search(doc)]
     assert not found, f"docstrings with a reST role, shown raw by mkdocstrings: {found}"
+
+
+def _sections(obj: Any) -> dict[str, list[Any]]:
+    """The sections griffe (what mkdocstrings renders) reads in ``obj``'s docstring."""
+    griffe = pytest.importorskip("griffe")
+    parsed = griffe.Docstring(inspect.cleandoc(obj.__doc__ or "")).parse("google")
+    sections: dict[str, list[Any]] = {}
+    for section in parsed:
+        sections.setdefault(section.kind.value, []).extend(
+            section.value if isinstance(section.value, list) else [section.value]
+        )
+    return sections
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["LoaderStats", "WorkerStats", "SkippedSample"],
+)
+def test_every_stats_field_is_documented(name: str) -> None:
+    # In the docstring, where help() and the API page show it, not in # comments.
+    import dataclasses
+
+    cls = getattr(aioload, name)
+    documented = {a.name for a in _sections(cls).get("attributes", [])}
+    fields = [f.name for f in dataclasses.fields(cls)]
+    missing = [f for f in fields if f not in documented]
+    assert not missing, f"{name}'s docstring does not document {missing}"
+
+
+@pytest.mark.parametrize(
+    "name", ["WorkerError", "WorkerDiedError", "DataLoaderTimeoutError", "TooManySampleErrors"]
+)
+def test_every_error_attribute_is_documented(name: str) -> None:
+    cls = getattr(aioload, name)
+    documented = {a.name for a in _sections(cls).get("attributes", [])}
+    attributes = [
+        p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "message")
+    ]
+    assert attributes and set(attributes) <= documented, (name, attributes, documented)
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "DataLoader",
+        "DataLoader.__iter__",
+        "DataLoader.__aiter__",
+        "DataLoader.load_state_dict",
+        "DataLoader.set_epoch",
+        "progress",
+        "RayWorkers",
+    ],
+)
+def test_the_public_calls_say_what_they_raise(where: str) -> None:
+    obj: Any = aioload
+    for part in where.split("."):
+        obj = getattr(obj, part)
+    raises = _sections(obj).get("raises", [])
+    assert raises, f"{where}'s docstring has no Raises: section"
+    assert all(len(r.description.split()) >= 3 for r in raises), where
+
+
+def test_auto_is_a_literal_in_the_signature() -> None:
+    import typing
+
+    hints = typing.get_type_hints(aioload.DataLoader.__init__)
+    for name in ("num_workers", "prefetch_factor", "worker_concurrency"):
+        assert typing.Literal["auto"] in typing.get_args(hints[name]), (name, hints[name])
+
+
+def test_the_iterators_methods_are_documented() -> None:
+    from aioload.loader import _AsyncIterator, _SyncIterator
+
+    assert len((_SyncIterator.close.__doc__ or "").split()) >= 10
+    assert len((_AsyncIterator.aclose.__doc__ or "").split()) >= 10
+    for door in ("__iter__", "__aiter__"):
+        returns = _sections(getattr(aioload.DataLoader, door)).get("returns", [])
+        text = " ".join(r.description for r in returns)
+        assert ("close()" in text) if door == "__iter__" else ("aclose()" in text), door

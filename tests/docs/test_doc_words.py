@@ -85,7 +85,23 @@ def test_no_word_about_how_the_project_is_run(page: Path) -> None:
 )
 def test_no_dated_measurement_outside_the_benchmark_report(page: Path) -> None:
     found = _findings(page, DATED)
+    # The short table of ratios on README.md and index.md is the report's (written by `make
+    # bench` between its markers), and says when and at which commit its run was made.
+    begin, end = "<!-- bench-summary:begin", "<!-- bench-summary:end -->"
+    text = page.read_text()
+    if begin in text:
+        head = text.split(begin, 1)[0].count("\n") + 1
+        tail = head + text.split(begin, 1)[1].split(end, 1)[0].count("\n")
+        found = [f for f in found if not head <= int(f.split(":")[1]) <= tail]
     assert not found, "\n".join(found)
+
+
+def test_the_short_tables_say_when_and_where_they_were_measured() -> None:
+    for name in ("README.md", "docs/index.md"):
+        text = (ROOT / name).read_text()
+        block = text.split("<!-- bench-summary:begin", 1)[1].split("<!-- bench-summary:end", 1)[0]
+        assert re.search(r"on 20\d\d-\d\d-\d\d at commit [0-9a-f]{7,}", block), name
+        assert re.search(r"\d+-core machine \(", block), name
 
 
 def test_the_patterns_catch_what_they_are_for() -> None:

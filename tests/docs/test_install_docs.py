@@ -21,8 +21,15 @@ def _dependencies() -> list[str]:
 def test_the_install_section_names_every_dependency(page: str) -> None:
     text = (ROOT / page).read_text()
     section = text.split("## Install", 1)[1].split("\n## ", 1)[0]
-    assert "pip install /path/to/aioload" in section
-    assert 'pip install "git+' in section
+    # A real install line (no placeholder URL): from a checkout, or a wheel built from it.
+    assert "pip install /path/to/aioload " in section
+    assert "pip wheel --no-deps -w dist /path/to/aioload" in section
+    assert "pip install dist/aioload-*.whl" in section
+    assert "<repository URL>" not in section and "git+" not in section
+    # How to keep a CPU-only torch: torch first, from PyTorch's CPU index, then aioload.
+    flat = " ".join(section.split())
+    assert "PyTorch's CPU-only package index" in flat and "--index-url" in flat
+    assert "pip keeps that torch" in flat
     missing = [name for name in _dependencies() if f"`{name}`" not in section]
     assert not missing, f"{page}'s install section does not name {missing}"
     # torch's range, as pyproject.toml declares it: "torch>=A.B,<C.D" is "from A.B to C.(D-1)".
