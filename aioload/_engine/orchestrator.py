@@ -161,6 +161,9 @@ class Orchestrator:
             over_cap=weakref.WeakMethod(self._over_cap),
         )
         self._sampler_done = False
+        # The sampler's error, raised in its place once the batches drawn before it are
+        # delivered (NOTE [a failing sampler]).
+        self._sampler_error: BaseException | None = None
         self._num_yielded = len(progress.yielded)
         self._fatal: BaseException | None = None
         self._finished = False
@@ -223,6 +226,8 @@ class Orchestrator:
         if ready is not None:
             return self._deliver(*ready)
         if not ledger.inflight and (self._sampler_done or not any(ledger.active)):
+            if self._sampler_error is not None:
+                self._raise_sampler_error()
             ledger.check_skip_cap(final=True)
             self._finished = True
             self.progress.finished = True
@@ -456,8 +461,36 @@ class Orchestrator:
             except StopIteration:
                 self._sampler_done = True
                 return
+            except Exception as error:
+                self._sampler_failed(error)
+                return
             task_id = self._ledger.sent(worker_id, position, indices)
             self._backend.submit(worker_id, task_id, indices)
+
+    def _sampler_failed(self, error: Exception) -> None:
+        """NOTE [a failing sampler]. The sampler raised while the pass drew a batch. Torch
+        raises its error from the ``next()`` that was refilling the prefetch window, which may
+        be the one handing over a batch already fetched: that batch is lost, yet counted as
+        yielded. Here the error takes the place of the batch the sampler failed to make: the
+        batches drawn before it are delivered first, in order, then ``next()`` raises it once,
+        and the pass is over (the sampler's iterator is finished, as torch's ``num_workers=0``
+        leaves it). ``state_dict()`` records exactly the batches that were yielded.
+
+        Kept without our own frame: the error's traceback keeps what it reaches alive, and a
+        frame of the pass's call stack reaches the orchestrator (and, through the frames that
+        called it, the iterator), which would hold the error in a cycle. The frames left are
+        the sampler's own (generator frames, which hold no link to their callers)."""
+        self._sampler_done = True
+        tb = error.__traceback__
+        self._sampler_error = error.with_traceback(tb.tb_next if tb is not None else None)
+
+    def _raise_sampler_error(self) -> NoReturn:
+        error, self._sampler_error = self._sampler_error, None
+        assert error is not None
+        try:
+            raise error
+        finally:
+            del error  # (this frame is in its traceback)
 
     # -- results -----------------------------------------------------------------------------
 
