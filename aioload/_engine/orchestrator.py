@@ -22,7 +22,9 @@ torch, and datasets with per-worker random augmentation produce the same batches
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import sys
 import time
 import types
@@ -49,7 +51,7 @@ from .pinning import PinStage, Transfer
 from .resume import PassProgress
 from .tuning import PassTuning
 
-__all__ = ["END", "PENDING", "Orchestrator", "PassSetup"]
+__all__ = ["END", "PENDING", "Orchestrator", "PassSetup", "release_pass_frames"]
 
 
 class _End:
@@ -620,6 +622,47 @@ def _checkpoint() -> Generator[Any, Any, None]:
         yield from anyio.lowlevel.checkpoint().__await__()  # trio
     else:
         yield
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The modules whose frames hold a pass (its iterator, its orchestrator, or what they hold):
+# their functions are plain ones, or coroutines that have finished whenever an exception
+# passed out of them, so clearing their frames in a traceback never touches a live one.
+_PASS_HOLDERS = frozenset(
+    os.path.join(_PACKAGE, *name.split("/"))
+    for name in (
+        "_engine/orchestrator.py",
+        "_engine/ledger.py",
+        "loader.py",
+        "_progress.py",
+        "_aio/sync_loop.py",
+    )
+)
+
+
+def release_pass_frames(error: BaseException) -> None:
+    """Let go of what aioload's frames in ``error``'s traceback hold: the pass's iterator and
+    orchestrator, and the batches they were handing over.
+
+    An exception keeps every frame it passed through, with its locals, for as long as it lives,
+    and often longer than anyone expects: asyncio's task and the exception that ends it hold
+    each other (``asyncio.run`` raises out of such a cycle), a notebook keeps the last one in
+    ``sys.last_value``, a logger or a test keeps it. The iterator's frames would keep the pass,
+    and so its workers, alive with it until a garbage collection. Cleared here, the pass lives
+    exactly as long as the consumer's own references: an error that leaves the ``for`` or
+    ``async for`` drops the iterator, and its finalizer stops the workers at once, while a
+    consumer that catches the error inside the loop goes on with the same pass. The
+    traceback's text (files, lines, the user's own frames and locals) is untouched.
+
+    Frames that are still running (the caller's own) cannot be cleared; the iterators drop
+    their own references themselves before the error leaves them."""
+    tb = error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_filename in _PASS_HOLDERS:
+            with contextlib.suppress(RuntimeError):  # still running
+                frame.clear()
+        tb = tb.tb_next
 
 
 def _warn_past_length(setup: PassSetup, num_yielded: int) -> None:

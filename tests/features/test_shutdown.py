@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,16 @@ from tests.helpers import (
     wait_until,
     within,
 )
-from tests.scripts.datasets import LazyFile, Noisy, Pids, Slow, SlowAt, Squares
+from tests.scripts.datasets import (
+    DistinctiveError,
+    FailingAt,
+    LazyFile,
+    Noisy,
+    Pids,
+    Slow,
+    SlowAt,
+    Squares,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -297,6 +307,128 @@ def test_break_while_a_worker_is_stuck(api: str, how: str, tmp_path: Path, no_le
     # worker would sleep 30 s; that the worker is gone is checked below).
     assert elapsed < within(5)
     assert wait_no_children(timeout=0.5) == []
+
+
+# -- an error that escapes the loop, kept ----------------------------------------------------
+
+
+class _NoCollection:
+    """Automatic garbage collection off, and the escaped errors kept (as a notebook keeps the
+    last one, or a logger or a test does): workers must then stop through reference counts
+    alone, never through a collection."""
+
+    def __init__(self) -> None:
+        self.kept: list[BaseException] = []
+
+    def __enter__(self) -> _NoCollection:
+        gc.collect()
+        gc.disable()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kept.clear()
+        gc.enable()
+        gc.collect()
+
+
+def _error_loader(error: str, tmp_path: Path) -> aioload.DataLoader[Any]:
+    if error == "timeout":
+        # Worker 1 hangs in index 1; the pass times out waiting for it.
+        ds: Any = SlowAt(8, slow=1, seconds=30, marker=str(tmp_path / "stuck"))
+        return aioload.DataLoader(ds, batch_size=1, num_workers=2, timeout=0.5)
+    return aioload.DataLoader(FailingAt(13, bad=4), batch_size=1, num_workers=2)
+
+
+@pytest.mark.parametrize("error", ["timeout", "dataset"])
+@pytest.mark.parametrize("backend", ["asyncio", "uvloop", "trio"])
+def test_an_error_out_of_the_event_loop_stops_the_workers(
+    backend: str, error: str, tmp_path: Path, no_leaks: None
+) -> None:
+    """The error ends ``asyncio.run`` (or trio's run): the task and the error hold each other,
+    and the error's traceback held the iterator, so the workers (the hung one too) stayed
+    until a garbage collection. The pass now ends as the error leaves the ``async for``."""
+    loader = _error_loader(error, tmp_path)
+
+    async def main() -> None:
+        async for _ in loader:
+            pass
+
+    with _NoCollection() as no_gc:
+        try:
+            run_on(backend, main)
+        except (aioload.DataLoaderTimeoutError, DistinctiveError) as exc:
+            no_gc.kept.append(exc)
+        assert len(no_gc.kept) == 1
+        assert wait_no_children() == []
+
+
+@pytest.mark.parametrize("error", ["timeout", "dataset", "interrupt"])
+def test_an_error_out_of_a_for_loop_stops_the_workers(
+    error: str, tmp_path: Path, no_leaks: None
+) -> None:
+    """The same under ``for``, with the error kept: a Ctrl-C ends the pass where it lands (as
+    under ``async for``); any other error ends it as it leaves the loop."""
+    loader = _error_loader("timeout" if error == "interrupt" else error, tmp_path)
+    if error == "interrupt":
+        loader.timeout = 0  # waits on the hung worker until the interrupt
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    with _NoCollection() as no_gc:
+        try:
+            if error == "interrupt":
+                signal.setitimer(signal.ITIMER_REAL, 1.0)
+            for _ in loader:
+                pass
+        except (aioload.DataLoaderTimeoutError, DistinctiveError, KeyboardInterrupt) as exc:
+            no_gc.kept.append(exc)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        assert len(no_gc.kept) == 1
+        assert wait_no_children() == []
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_a_caught_error_inside_the_loop_keeps_the_pass(api: str, no_leaks: None) -> None:
+    """The other side of the two tests above: the traceback no longer holds the pass, but a
+    consumer that catches the error and goes on still has it, whole, with the error kept."""
+    loader = aioload.DataLoader(FailingAt(9, bad=4), batch_size=1, num_workers=2, progress=True)
+    kept: list[BaseException] = []
+    got: list[int] = []
+
+    def take(step: Callable[[], Any]) -> bool:
+        try:
+            got.append(int(step()))
+        except DistinctiveError as exc:
+            kept.append(exc)
+        except (StopIteration, StopAsyncIteration):
+            return False
+        return True
+
+    with _NoCollection():
+        if api == "sync":
+            it = iter(loader)
+            while take(lambda: next(it)):
+                pass
+        else:
+
+            async def main() -> None:
+                it = aiter(loader)
+                while True:
+                    try:
+                        got.append(int(await anext(it)))
+                    except DistinctiveError as exc:
+                        kept.append(exc)
+                    except StopAsyncIteration:
+                        return
+
+            asyncio.run(main())
+        assert got == [0, 1, 2, 3, 5, 6, 7, 8]
+        assert len(kept) == 1
+        assert wait_no_children() == []
 
 
 # -- persistent workers ----------------------------------------------------------------------
