@@ -136,7 +136,7 @@ class Orchestrator:
         self._stage: PinStage | None = None
         # Batches leave through _deliver, which records them here for state_dict().
         self.progress = progress = setup.progress
-        self._batches = setup.batches
+        self._batches = _Drawn(setup.batches)  # (NOTE [a failing sampler])
         num_workers = self._num_workers = setup.num_workers
         self._capacity = setup.prefetch * num_workers
         # Slots dispatched to: the first ``_slots`` workers (num_workers="auto" changes it;
@@ -163,9 +163,6 @@ class Orchestrator:
             over_cap=weakref.WeakMethod(self._over_cap),
         )
         self._sampler_done = False
-        # The sampler's error, raised in its place once the batches drawn before it are
-        # delivered (NOTE [a failing sampler]).
-        self._sampler_error: BaseException | None = None
         self._num_yielded = len(progress.yielded)
         self._fatal: BaseException | None = None
         self._finished = False
@@ -228,8 +225,7 @@ class Orchestrator:
         if ready is not None:
             return self._deliver(*ready)
         if not ledger.inflight and (self._sampler_done or not any(ledger.active)):
-            if self._sampler_error is not None:
-                self._raise_sampler_error()
+            self._batches.raise_error()
             ledger.check_skip_cap(final=True)
             self._finished = True
             self.progress.finished = True
@@ -297,8 +293,7 @@ class Orchestrator:
         if self._over():
             return END
         if self._backend is _NOT_STARTED:
-            # In the calling thread, whatever it costs: the sync front end has no loop to keep
-            # running meanwhile.
+            # In the calling thread, whatever it costs: the sync front end has no loop to run.
             self._adopt(self._make_owned_backend())
             if self._closed:
                 return END
@@ -463,36 +458,8 @@ class Orchestrator:
             except StopIteration:
                 self._sampler_done = True
                 return
-            except Exception as error:
-                self._sampler_failed(error)
-                return
             task_id = self._ledger.sent(worker_id, position, indices)
             self._backend.submit(worker_id, task_id, indices)
-
-    def _sampler_failed(self, error: Exception) -> None:
-        """NOTE [a failing sampler]. The sampler raised while the pass drew a batch. Torch
-        raises its error from the ``next()`` that was refilling the prefetch window, which may
-        be the one handing over a batch already fetched: that batch is lost, yet counted as
-        yielded. Here the error takes the place of the batch the sampler failed to make: the
-        batches drawn before it are delivered first, in order, then ``next()`` raises it once,
-        and the pass is over (the sampler's iterator is finished, as torch's ``num_workers=0``
-        leaves it). ``state_dict()`` records exactly the batches that were yielded.
-
-        Kept without our own frame: the error's traceback keeps what it reaches alive, and a
-        frame of the pass's call stack reaches the orchestrator (and, through the frames that
-        called it, the iterator), which would hold the error in a cycle. The frames left are
-        the sampler's own (generator frames, which hold no link to their callers)."""
-        self._sampler_done = True
-        tb = error.__traceback__
-        self._sampler_error = error.with_traceback(tb.tb_next if tb is not None else None)
-
-    def _raise_sampler_error(self) -> NoReturn:
-        error, self._sampler_error = self._sampler_error, None
-        assert error is not None
-        try:
-            raise error
-        finally:
-            del error  # (this frame is in its traceback)
 
     # -- results -----------------------------------------------------------------------------
 
@@ -600,6 +567,51 @@ class Orchestrator:
             await _checkpoint()
             return
         await run_off_loop(self.close)
+
+
+class _Drawn:
+    """NOTE [a failing sampler]. The pass's batches as the sampler draws them; an error of the
+    sampler ends them, and is kept to be raised in its place.
+
+    Torch raises the sampler's error from the ``next()`` that was refilling the prefetch window,
+    which may be the one handing over a batch already fetched: that batch is lost, yet counted
+    as yielded. Here the error takes the place of the batch the sampler failed to make: the
+    batches drawn before it are delivered first, in order, then ``next()`` raises it
+    (``raise_error``, when nothing is left in flight), once, and the pass is over (the
+    sampler's iterator is finished, as torch's ``num_workers=0`` leaves it). ``state_dict()``
+    records exactly the batches that were yielded.
+
+    The error is kept without this frame: a traceback keeps its frames alive, and this one
+    links to the pass's call stack (the orchestrator, the iterator), which would then hold the
+    error in a cycle. The frames left are the sampler's own (generator frames, which hold no
+    link to their callers)."""
+
+    __slots__ = ("batches", "error")
+
+    def __init__(self, batches: Iterator[tuple[int, Any]]) -> None:
+        self.batches = batches
+        self.error: BaseException | None = None
+
+    def __iter__(self) -> _Drawn:
+        return self
+
+    def __next__(self) -> tuple[int, Any]:
+        try:
+            return next(self.batches)
+        except StopIteration:
+            raise
+        except Exception as error:
+            tb = error.__traceback__
+            self.error = error.with_traceback(tb.tb_next if tb is not None else None)
+            raise StopIteration from None
+
+    def raise_error(self) -> None:
+        error, self.error = self.error, None
+        if error is not None:
+            try:
+                raise error
+            finally:
+                del error  # (this frame is in its traceback)
 
 
 @types.coroutine
