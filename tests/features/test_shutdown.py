@@ -503,18 +503,33 @@ def test_persistent_workers_after_a_break(api: str, no_leaks: None) -> None:
 
 
 # Each start method once, and each API once: how the workers notice the death depends on how
-# they were started (under forkserver, they are the fork server's children, not the script's),
-# not on how the script iterates. A spawned or forkserver worker imports torch afresh, seconds
-# of the suite each on a loaded 2-core machine.
+# they were started (under forkserver, they are the fork server's children, not the script's;
+# under ``async for`` they are forked from short-lived threads, and the kernel's death signal,
+# which follows the forking thread, is not asked for), not on how the script iterates. A
+# spawned or forkserver worker imports torch afresh, seconds of the suite each on a loaded
+# 2-core machine. ``where``: between two samples, or inside a sample that sleeps (or holds the
+# GIL in C code) for longer than the test runs.
 @pytest.mark.parametrize(
-    "context, api",
-    [("default", "sync"), ("default", "async"), ("spawn", "sync"), ("forkserver", "sync")],
+    "context, api, where",
+    [
+        ("default", "sync", "between"),
+        ("default", "async", "between"),
+        ("spawn", "sync", "between"),
+        ("forkserver", "sync", "between"),
+        ("default", "sync", "sleep"),
+        ("default", "async", "sleep"),
+        ("spawn", "async", "sleep"),
+        ("forkserver", "sync", "sleep"),
+        ("default", "sync", "gil"),
+    ],
 )
-def test_workers_exit_when_their_parent_is_killed(context: str, api: str, no_leaks: None) -> None:
+def test_workers_exit_when_their_parent_is_killed(
+    context: str, api: str, where: str, no_leaks: None
+) -> None:
     if context == "default":
         assert multiprocessing.get_start_method() == "fork" or sys.platform != "linux"
     proc = subprocess.Popen(
-        [sys.executable, str(SCRIPTS / "orphaned.py"), context, api],
+        [sys.executable, str(SCRIPTS / "orphaned.py"), context, api, where],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -529,6 +544,8 @@ def test_workers_exit_when_their_parent_is_killed(context: str, api: str, no_lea
         assert len(workers) == 2
         script_children = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
         assert set(workers) <= script_children
+        if where != "between":
+            time.sleep(0.5)  # each worker is inside its stuck sample by now
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=within(10))
         left = wait_gone(workers, timeout=5)
