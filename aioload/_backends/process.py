@@ -107,12 +107,24 @@ def _disown_after_fork() -> None:
     for pool in list(_pools):
         pool.closed = True
         pool.retired = True
+        # Nor may the child's exit stop them: multiprocessing's exit handler SIGTERMs every
+        # daemonic process in its list of children, which a plain os.fork() copies, and then
+        # fails to join them ("can only join a child process").
+        for worker in pool.workers:
+            if worker.process is not None:
+                _not_my_child(worker.process)
         pool._awaited_epoll.forget_after_fork()
         with contextlib.suppress(Exception):
             pool.selector.close()
 
 
 os.register_at_fork(after_in_child=_disown_after_fork)
+
+
+def _not_my_child(process: Any) -> None:
+    children = getattr(multiprocessing.process, "_children", None)
+    if isinstance(children, set):
+        children.discard(process)
 
 
 def _payload(objects: tuple[Any, Any, Any], forking: bool) -> tuple[Any, Any, Any] | bytes:

@@ -51,7 +51,7 @@ from .pinning import PinStage, Transfer
 from .resume import PassProgress
 from .tuning import PassTuning
 
-__all__ = ["END", "PENDING", "Orchestrator", "PassSetup", "release_pass_frames"]
+__all__ = ["END", "PENDING", "Orchestrator", "PassSetup", "release_pass_frames", "track_pass"]
 
 
 class _End:
@@ -612,6 +612,37 @@ class _Drawn:
                 raise error
             finally:
                 del error  # (this frame is in its traceback)
+
+
+# Every pass of this process, for the fork hook below.
+_passes: weakref.WeakSet[Orchestrator] = weakref.WeakSet()
+
+
+def track_pass(engine: Orchestrator) -> None:
+    """Tell a process forked from this one that ``engine`` is not its own
+    (``_disown_after_fork``)."""
+    _passes.add(engine)
+
+
+def _disown_after_fork() -> None:
+    """In a forked child (an ``os.fork()`` of the user's, a fork-started process of theirs),
+    every pass copied from the parent is the parent's: its workers serve the parent alone, and
+    its backend is already closed here (``_backends.process._disown_after_fork``). Such an
+    iterator raises at once, saying so, rather than fail somewhere inside; a new pass here
+    starts workers of its own. (Its shutdown in the child touches nothing of the parent's.)"""
+    parent, child = os.getppid(), os.getpid()
+    for engine in list(_passes):
+        if not (engine._finished or engine._closed):
+            engine._fatal = RuntimeError(
+                f"aioload: this DataLoader iterator belongs to process {parent}, and was copied "
+                f"into this one (pid {child}) by a fork: its workers serve that process only. "
+                "Start a pass of this process's own (iter(loader), or async for over the "
+                "loader): it starts its own workers."
+            )
+    _passes.clear()
+
+
+os.register_at_fork(after_in_child=_disown_after_fork)
 
 
 @types.coroutine

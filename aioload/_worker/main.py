@@ -284,9 +284,27 @@ def worker_main(config: WorkerConfig, sock: Any, parent: ParentWatch | None = No
     torch.set_num_threads(1)
     _transport.stack_tensors_privately()
     channel = WorkerChannel(sock, pack=pack_reply, unpack=unpack_to_worker)
-    # ChannelClosed and friends: the parent is gone or shut us down.
-    with contextlib.suppress(ChannelClosed, BrokenPipeError, ConnectionResetError):
-        _ProcessWorker(config, channel).run()
+    worker_pid = os.getpid()
+    # A process the dataset forks (its own os.fork()) is a copy of this one, socket included:
+    # it must never take a task or answer one.
+    os.register_at_fork(after_in_child=sock.close)
+    try:
+        # ChannelClosed and friends: the parent is gone or shut us down.
+        with contextlib.suppress(ChannelClosed, BrokenPipeError, ConnectionResetError):
+            _ProcessWorker(config, channel).run()
+    except Exception as error:
+        if os.getpid() == worker_pid:
+            raise
+        # Such a copy came back from the dataset's code into this loop (it did not end with
+        # os._exit()), and found the socket closed: it leaves, and says why.
+        print(_FORKED_INSIDE.format(config.worker_id, error), file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+_FORKED_INSIDE = (
+    "aioload: a process forked inside DataLoader worker {} returned into the worker's loop "
+    "and exits here ({!r}); end a process you fork in a dataset with os._exit()."
+)
 
 
 StepResult = Produced | Failure | StreamEnded

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import select
 import signal
@@ -69,6 +70,8 @@ def watch_parent(watch: ParentWatch, sock: Any) -> None:
     # A descriptor of its own: the worker's main thread closes its socket as it leaves, and a
     # poll on a closed (or reused) descriptor number would watch something else.
     fd = os.dup(sock.fileno())
+    # (Not kept by a process the dataset forks: this thread is not there to watch with it.)
+    os.register_at_fork(after_in_child=functools.partial(_close, fd))
     threading.Thread(
         target=_watch, args=(fd, os.getppid()), name="aioload-parent-watch", daemon=True
     ).start()
@@ -78,6 +81,11 @@ def _ask_for_death_signal() -> None:
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _close(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
 
 
 def _watch(fd: int, ppid: int) -> None:

@@ -431,6 +431,54 @@ def test_a_caught_error_inside_the_loop_keeps_the_pass(api: str, no_leaks: None)
         assert wait_no_children() == []
 
 
+# -- a fork in user code --------------------------------------------------------------------
+
+
+def _forked(case: str, persistent: bool) -> tuple[dict[str, Any], str]:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "forked.py"), case, str(int(persistent))],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=within(40),
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, proc.stdout + proc.stderr
+    return json.loads(lines[-1][len("RESULT ") :]), proc.stderr
+
+
+_PAIRS = [[i, i + 1] for i in range(0, 40, 2)]
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
+@pytest.mark.parametrize("case", ["exit", "same", "new"])
+def test_a_fork_in_user_code_leaves_the_parents_pass_whole(
+    case: str, persistent: bool, no_leaks: None
+) -> None:
+    """``os.fork()`` while a pass runs. The child's normal exit no longer SIGTERMs the parent's
+    workers (multiprocessing's exit handler used the list of children the fork copied); the
+    parent's iterator in the child raises, saying whose it is, instead of a bare
+    AttributeError; a pass of the child's own works, with workers of its own."""
+    result, stderr = _forked(case, persistent)
+    assert result["parent"] == _PAIRS
+    assert result["child_status"] == 0
+    assert "can only join a child process" not in stderr
+    if case == "same":
+        assert result["child"]["error"].startswith("RuntimeError: aioload: this DataLoader ")
+        assert "copied into this one" in result["child"]["error"]
+    elif case == "new":
+        assert result["child"] == {"batches": _PAIRS}
+
+
+def test_a_fork_inside_a_worker_never_answers_for_it(no_leaks: None) -> None:
+    """A dataset forks in ``__getitem__`` and the copy returns into the worker's loop: it used
+    to take and answer tasks on the worker's socket (a batch made by the copy reached the
+    consumer). Now it finds the socket closed and leaves, saying why."""
+    result, stderr = _forked("inside", False)
+    assert result["parent"] == [[i, i * i] for i in range(12)]
+    assert "returned into the worker's loop" in stderr
+
+
 # -- persistent workers ----------------------------------------------------------------------
 
 
