@@ -111,6 +111,7 @@ class _SyncProgress:
             # counting. Closing now rather than when this iterator is collected matters: an
             # exception that escapes the loop may keep the iterator alive for a long time.
             self._bar.close()
+            del self  # nor may the error's traceback keep the pass alive (release_pass_frames)
             raise
         self._bar.tick()
         return batch
@@ -146,6 +147,7 @@ class _AsyncProgress:
             # As in _SyncProgress: closed now, and continued by tick() if the caller goes on
             # (after a dataset error, or a cancelled wait it retries).
             self._bar.close()
+            del self
             raise
         self._bar.tick()
         return batch

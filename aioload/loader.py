@@ -18,7 +18,7 @@ from ._aio import sync_loop as _sync
 from ._backends.base import BackendKeeper
 from ._backends.choice import WorkerFactory
 from ._backends.ray_config import RayWorkers
-from ._engine.orchestrator import END, PENDING, Orchestrator
+from ._engine.orchestrator import END, PENDING, Orchestrator, release_pass_frames
 from ._engine.pinning import Transfer, make_transfer, torch_pin_plan
 from ._engine.resume import (
     FORMAT,
@@ -509,16 +509,27 @@ class _SyncIterator:
         return self
 
     def __next__(self) -> Any:
-        stats = self._engine.stats
+        engine = self._engine
+        stats = engine.stats
         entered = stats.enter()
         try:
-            batch = self._engine.next_blocking()
+            batch = engine.next_blocking()
             if batch is PENDING:
-                batch = _sync.run(self._engine.next())
+                batch = _sync.run(engine.next())
+        except BaseException as error:
+            if not isinstance(error, Exception):
+                # Ctrl-C (or SystemExit) ends the pass wherever it lands, as under `async
+                # for`: a notebook keeps the interrupt, and with it this iterator.
+                engine.close()
+            # Nothing in the error's traceback may keep the pass alive: it then ends when the
+            # consumer drops the iterator, not at a garbage collection (release_pass_frames).
+            release_pass_frames(error)
+            del self, engine
+            raise
         finally:
             stats.leave(entered)
         if batch is END:
-            self._engine.close()
+            engine.close()
             raise StopIteration
         return batch
 
@@ -565,6 +576,10 @@ class _AsyncIterator:
                 # in torch. (GeneratorExit means this coroutine is being closed, and it may not
                 # await; the iterator's __del__ stops the pass then.)
                 await engine.aclose()
+            # As in _SyncIterator.__next__: the pass lives as long as the consumer's own
+            # references, not as long as the error (asyncio.run raises it out of a cycle).
+            release_pass_frames(exc)
+            del self, engine
             raise
         finally:
             stats.leave(entered)

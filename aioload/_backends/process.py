@@ -107,12 +107,24 @@ def _disown_after_fork() -> None:
     for pool in list(_pools):
         pool.closed = True
         pool.retired = True
+        # Nor may the child's exit stop them: multiprocessing's exit handler SIGTERMs every
+        # daemonic process in its list of children, which a plain os.fork() copies, and then
+        # fails to join them ("can only join a child process").
+        for worker in pool.workers:
+            if worker.process is not None:
+                _not_my_child(worker.process)
         pool._awaited_epoll.forget_after_fork()
         with contextlib.suppress(Exception):
             pool.selector.close()
 
 
 os.register_at_fork(after_in_child=_disown_after_fork)
+
+
+def _not_my_child(process: Any) -> None:
+    children = getattr(multiprocessing.process, "_children", None)
+    if isinstance(children, set):
+        children.discard(process)
 
 
 def _payload(objects: tuple[Any, Any, Any], forking: bool) -> tuple[Any, Any, Any] | bytes:
@@ -387,13 +399,15 @@ def _describe_exit(worker: _WorkerHandle) -> tuple[str, int | None]:
     return f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {code}.", code
 
 
-def _start_process(ctx: Any, worker: _WorkerHandle, *, target: Any, config: Any) -> None:
+def _start_process(
+    ctx: Any, worker: _WorkerHandle, *, target: Any, config: Any, parent: Any = None
+) -> None:
     """Start ``worker``'s process on its socket's child end, and let go of our copy of that end."""
     child_sock = worker.child_end
     assert child_sock is not None
     process = ctx.Process(
         target=target,
-        args=(config, child_sock),
+        args=(config, child_sock, parent),
         name=f"aioload-worker-{worker.worker_id}",
         daemon=True,
     )
@@ -544,6 +558,7 @@ class WorkerPool:
         # The worker-side code is imported on the first fork, not with the package: the
         # parent never runs it, a fork only needs it in memory, and `import aioload` stays cheap.
         from .._worker.main import worker_main
+        from .._worker.parent import parent_watch
 
         config = self.spec.worker_config(
             worker.worker_id,
@@ -552,7 +567,9 @@ class WorkerPool:
             payload=self._payload,
             shared_memory=True,
         )
-        _start_process(self._ctx, worker, target=worker_main, config=config)
+        # (Asked here, in the thread that forks: NOTE [staggered start] forks in others.)
+        parent = parent_watch(self._ctx.get_start_method())
+        _start_process(self._ctx, worker, target=worker_main, config=config, parent=parent)
         self.selector.register(worker.process.sentinel, selectors.EVENT_READ, (worker, "exit"))
 
     def _unregister(self, worker: _WorkerHandle) -> None:

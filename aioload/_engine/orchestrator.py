@@ -22,7 +22,9 @@ torch, and datasets with per-worker random augmentation produce the same batches
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import sys
 import time
 import types
@@ -49,7 +51,7 @@ from .pinning import PinStage, Transfer
 from .resume import PassProgress
 from .tuning import PassTuning
 
-__all__ = ["END", "PENDING", "Orchestrator", "PassSetup"]
+__all__ = ["END", "PENDING", "Orchestrator", "PassSetup", "release_pass_frames", "track_pass"]
 
 
 class _End:
@@ -134,7 +136,7 @@ class Orchestrator:
         self._stage: PinStage | None = None
         # Batches leave through _deliver, which records them here for state_dict().
         self.progress = progress = setup.progress
-        self._batches = setup.batches
+        self._batches = _Drawn(setup.batches)  # (NOTE [a failing sampler])
         num_workers = self._num_workers = setup.num_workers
         self._capacity = setup.prefetch * num_workers
         # Slots dispatched to: the first ``_slots`` workers (num_workers="auto" changes it;
@@ -223,6 +225,7 @@ class Orchestrator:
         if ready is not None:
             return self._deliver(*ready)
         if not ledger.inflight and (self._sampler_done or not any(ledger.active)):
+            self._batches.raise_error()
             ledger.check_skip_cap(final=True)
             self._finished = True
             self.progress.finished = True
@@ -290,8 +293,7 @@ class Orchestrator:
         if self._over():
             return END
         if self._backend is _NOT_STARTED:
-            # In the calling thread, whatever it costs: the sync front end has no loop to keep
-            # running meanwhile.
+            # In the calling thread, whatever it costs: the sync front end has no loop to run.
             self._adopt(self._make_owned_backend())
             if self._closed:
                 return END
@@ -567,6 +569,82 @@ class Orchestrator:
         await run_off_loop(self.close)
 
 
+class _Drawn:
+    """NOTE [a failing sampler]. The pass's batches as the sampler draws them; an error of the
+    sampler ends them, and is kept to be raised in its place.
+
+    Torch raises the sampler's error from the ``next()`` that was refilling the prefetch window,
+    which may be the one handing over a batch already fetched: that batch is lost, yet counted
+    as yielded. Here the error takes the place of the batch the sampler failed to make: the
+    batches drawn before it are delivered first, in order, then ``next()`` raises it
+    (``raise_error``, when nothing is left in flight), once, and the pass is over (the
+    sampler's iterator is finished, as torch's ``num_workers=0`` leaves it). ``state_dict()``
+    records exactly the batches that were yielded.
+
+    The error is kept without this frame: a traceback keeps its frames alive, and this one
+    links to the pass's call stack (the orchestrator, the iterator), which would then hold the
+    error in a cycle. The frames left are the sampler's own (generator frames, which hold no
+    link to their callers)."""
+
+    __slots__ = ("batches", "error")
+
+    def __init__(self, batches: Iterator[tuple[int, Any]]) -> None:
+        self.batches = batches
+        self.error: BaseException | None = None
+
+    def __iter__(self) -> _Drawn:
+        return self
+
+    def __next__(self) -> tuple[int, Any]:
+        try:
+            return next(self.batches)
+        except StopIteration:
+            raise
+        except Exception as error:
+            tb = error.__traceback__
+            self.error = error.with_traceback(tb.tb_next if tb is not None else None)
+            raise StopIteration from None
+
+    def raise_error(self) -> None:
+        error, self.error = self.error, None
+        if error is not None:
+            try:
+                raise error
+            finally:
+                del error  # (this frame is in its traceback)
+
+
+# Every pass of this process, for the fork hook below.
+_passes: weakref.WeakSet[Orchestrator] = weakref.WeakSet()
+
+
+def track_pass(engine: Orchestrator) -> None:
+    """Tell a process forked from this one that ``engine`` is not its own
+    (``_disown_after_fork``)."""
+    _passes.add(engine)
+
+
+def _disown_after_fork() -> None:
+    """In a forked child (an ``os.fork()`` of the user's, a fork-started process of theirs),
+    every pass copied from the parent is the parent's: its workers serve the parent alone, and
+    its backend is already closed here (``_backends.process._disown_after_fork``). Such an
+    iterator raises at once, saying so, rather than fail somewhere inside; a new pass here
+    starts workers of its own. (Its shutdown in the child touches nothing of the parent's.)"""
+    parent, child = os.getppid(), os.getpid()
+    for engine in list(_passes):
+        if not (engine._finished or engine._closed):
+            engine._fatal = RuntimeError(
+                f"aioload: this DataLoader iterator belongs to process {parent}, and was copied "
+                f"into this one (pid {child}) by a fork: its workers serve that process only. "
+                "Start a pass of this process's own (iter(loader), or async for over the "
+                "loader): it starts its own workers."
+            )
+    _passes.clear()
+
+
+os.register_at_fork(after_in_child=_disown_after_fork)
+
+
 @types.coroutine
 def _checkpoint() -> Generator[Any, Any, None]:
     """Yield to the running loop once, raising if the task has been cancelled. Under asyncio
@@ -587,6 +665,47 @@ def _checkpoint() -> Generator[Any, Any, None]:
         yield from anyio.lowlevel.checkpoint().__await__()  # trio
     else:
         yield
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The modules whose frames hold a pass (its iterator, its orchestrator, or what they hold):
+# their functions are plain ones, or coroutines that have finished whenever an exception
+# passed out of them, so clearing their frames in a traceback never touches a live one.
+_PASS_HOLDERS = frozenset(
+    os.path.join(_PACKAGE, *name.split("/"))
+    for name in (
+        "_engine/orchestrator.py",
+        "_engine/ledger.py",
+        "loader.py",
+        "_progress.py",
+        "_aio/sync_loop.py",
+    )
+)
+
+
+def release_pass_frames(error: BaseException) -> None:
+    """Let go of what aioload's frames in ``error``'s traceback hold: the pass's iterator and
+    orchestrator, and the batches they were handing over.
+
+    An exception keeps every frame it passed through, with its locals, for as long as it lives,
+    and often longer than anyone expects: asyncio's task and the exception that ends it hold
+    each other (``asyncio.run`` raises out of such a cycle), a notebook keeps the last one in
+    ``sys.last_value``, a logger or a test keeps it. The iterator's frames would keep the pass,
+    and so its workers, alive with it until a garbage collection. Cleared here, the pass lives
+    exactly as long as the consumer's own references: an error that leaves the ``for`` or
+    ``async for`` drops the iterator, and its finalizer stops the workers at once, while a
+    consumer that catches the error inside the loop goes on with the same pass. The
+    traceback's text (files, lines, the user's own frames and locals) is untouched.
+
+    Frames that are still running (the caller's own) cannot be cleared; the iterators drop
+    their own references themselves before the error leaves them."""
+    tb = error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_filename in _PASS_HOLDERS:
+            with contextlib.suppress(RuntimeError):  # still running
+                frame.clear()
+        tb = tb.tb_next
 
 
 def _warn_past_length(setup: PassSetup, num_yielded: int) -> None:

@@ -28,7 +28,7 @@ from .._worker.async_detect import is_async_dataset
 from .._worker.datapipes import SharedSeeds, is_datapipe, is_iter_datapipe, reseed, shard_in_process
 from .._worker.fetch import SamplePolicy, is_stateful
 from ..stats import PassStats, SkipCap
-from .orchestrator import Orchestrator, PassSetup
+from .orchestrator import Orchestrator, PassSetup, track_pass
 from .pinning import Transfer
 from .resume import (
     ParsedState,
@@ -507,6 +507,7 @@ def pass_engine(loader: LoaderView, offload_inline: bool) -> Orchestrator:
         # "auto": the pass feeds its counters to the controller (also stats()["tuning"]).
         setup = setup._replace(tuning=PassTuning(loader._tuner, loader._pass_stats))
     engine = Orchestrator(backend.make, setup, owns_backend=backend.owned, stats=loader._pass_stats)
+    track_pass(engine)  # a forked child's copy of it raises, saying so
     if backend.owned:
         # Also on garbage collection of an abandoned pass (``break``, ``del``) and at exit.
         weakref.finalize(engine, engine.owned.close)

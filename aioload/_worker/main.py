@@ -11,7 +11,8 @@ simple: a task is in flight until its answer arrives or its worker dies.
 
 The worker never outlives its parent. It waits for work in ``poll`` with a one-second bound; a
 closed socket (the parent exited, was killed, or shut us down) ends it at once, and a changed
-parent pid ends it within a second even if something else still holds the parent's end.
+parent pid ends it within a second even if something else still holds the parent's end. Inside
+a slow sample, ``_worker.parent``'s watch ends it.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from .datapipes import is_datapipe, reseed, shard_in_worker
 from .fetch import Fetcher, FetchSpec, SamplePolicy, is_stateful
 from .heap import HeapPolicy
 from .info import WorkerInfo, _set_worker_info
+from .parent import ParentWatch, watch_parent
 
 if TYPE_CHECKING:
     import anyio.abc
@@ -266,9 +268,12 @@ class _AfterImport:
         return spec
 
 
-def worker_main(config: WorkerConfig, sock: Any) -> None:
+def worker_main(config: WorkerConfig, sock: Any, parent: ParentWatch | None = None) -> None:
     # (Under fork, the parent's ends of every worker's socket that we inherited were closed by
     # _backends.process._disown_after_fork before this runs.)
+    # Never outlive the parent, even inside a slow sample (``_worker.parent``).
+    if parent is not None:
+        watch_parent(parent, sock)
     # Everything inherited from the parent is set aside from the cyclic garbage collector: a
     # full collection here would write to every object the parent made (torch's included) and
     # so copy every shared page, hundreds of milliseconds at a worker's start. It also keeps
@@ -279,9 +284,27 @@ def worker_main(config: WorkerConfig, sock: Any) -> None:
     torch.set_num_threads(1)
     _transport.stack_tensors_privately()
     channel = WorkerChannel(sock, pack=pack_reply, unpack=unpack_to_worker)
-    # ChannelClosed and friends: the parent is gone or shut us down.
-    with contextlib.suppress(ChannelClosed, BrokenPipeError, ConnectionResetError):
-        _ProcessWorker(config, channel).run()
+    worker_pid = os.getpid()
+    # A process the dataset forks (its own os.fork()) is a copy of this one, socket included:
+    # it must never take a task or answer one.
+    os.register_at_fork(after_in_child=sock.close)
+    try:
+        # ChannelClosed and friends: the parent is gone or shut us down.
+        with contextlib.suppress(ChannelClosed, BrokenPipeError, ConnectionResetError):
+            _ProcessWorker(config, channel).run()
+    except Exception as error:
+        if os.getpid() == worker_pid:
+            raise
+        # Such a copy came back from the dataset's code into this loop (it did not end with
+        # os._exit()), and found the socket closed: it leaves, and says why.
+        print(_FORKED_INSIDE.format(config.worker_id, error), file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+_FORKED_INSIDE = (
+    "aioload: a process forked inside DataLoader worker {} returned into the worker's loop "
+    "and exits here ({!r}); end a process you fork in a dataset with os._exit()."
+)
 
 
 StepResult = Produced | Failure | StreamEnded

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,16 @@ from tests.helpers import (
     wait_until,
     within,
 )
-from tests.scripts.datasets import LazyFile, Noisy, Pids, Slow, SlowAt, Squares
+from tests.scripts.datasets import (
+    DistinctiveError,
+    FailingAt,
+    LazyFile,
+    Noisy,
+    Pids,
+    Slow,
+    SlowAt,
+    Squares,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -299,6 +309,176 @@ def test_break_while_a_worker_is_stuck(api: str, how: str, tmp_path: Path, no_le
     assert wait_no_children(timeout=0.5) == []
 
 
+# -- an error that escapes the loop, kept ----------------------------------------------------
+
+
+class _NoCollection:
+    """Automatic garbage collection off, and the escaped errors kept (as a notebook keeps the
+    last one, or a logger or a test does): workers must then stop through reference counts
+    alone, never through a collection."""
+
+    def __init__(self) -> None:
+        self.kept: list[BaseException] = []
+
+    def __enter__(self) -> _NoCollection:
+        gc.collect()
+        gc.disable()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kept.clear()
+        gc.enable()
+        gc.collect()
+
+
+def _error_loader(error: str, tmp_path: Path) -> aioload.DataLoader[Any]:
+    if error == "timeout":
+        # Worker 1 hangs in index 1; the pass times out waiting for it.
+        ds: Any = SlowAt(8, slow=1, seconds=30, marker=str(tmp_path / "stuck"))
+        return aioload.DataLoader(ds, batch_size=1, num_workers=2, timeout=0.5)
+    return aioload.DataLoader(FailingAt(13, bad=4), batch_size=1, num_workers=2)
+
+
+@pytest.mark.parametrize("error", ["timeout", "dataset"])
+@pytest.mark.parametrize("backend", ["asyncio", "uvloop", "trio"])
+def test_an_error_out_of_the_event_loop_stops_the_workers(
+    backend: str, error: str, tmp_path: Path, no_leaks: None
+) -> None:
+    """The error ends ``asyncio.run`` (or trio's run): the task and the error hold each other,
+    and the error's traceback held the iterator, so the workers (the hung one too) stayed
+    until a garbage collection. The pass now ends as the error leaves the ``async for``."""
+    loader = _error_loader(error, tmp_path)
+
+    async def main() -> None:
+        async for _ in loader:
+            pass
+
+    with _NoCollection() as no_gc:
+        try:
+            run_on(backend, main)
+        except (aioload.DataLoaderTimeoutError, DistinctiveError) as exc:
+            no_gc.kept.append(exc)
+        assert len(no_gc.kept) == 1
+        assert wait_no_children() == []
+
+
+@pytest.mark.parametrize("error", ["timeout", "dataset", "interrupt"])
+def test_an_error_out_of_a_for_loop_stops_the_workers(
+    error: str, tmp_path: Path, no_leaks: None
+) -> None:
+    """The same under ``for``, with the error kept: a Ctrl-C ends the pass where it lands (as
+    under ``async for``); any other error ends it as it leaves the loop."""
+    loader = _error_loader("timeout" if error == "interrupt" else error, tmp_path)
+    if error == "interrupt":
+        loader.timeout = 0  # waits on the hung worker until the interrupt
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    with _NoCollection() as no_gc:
+        try:
+            if error == "interrupt":
+                signal.setitimer(signal.ITIMER_REAL, 1.0)
+            for _ in loader:
+                pass
+        except (aioload.DataLoaderTimeoutError, DistinctiveError, KeyboardInterrupt) as exc:
+            no_gc.kept.append(exc)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        assert len(no_gc.kept) == 1
+        assert wait_no_children() == []
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_a_caught_error_inside_the_loop_keeps_the_pass(api: str, no_leaks: None) -> None:
+    """The other side of the two tests above: the traceback no longer holds the pass, but a
+    consumer that catches the error and goes on still has it, whole, with the error kept."""
+    loader = aioload.DataLoader(FailingAt(9, bad=4), batch_size=1, num_workers=2, progress=True)
+    kept: list[BaseException] = []
+    got: list[int] = []
+
+    def take(step: Callable[[], Any]) -> bool:
+        try:
+            got.append(int(step()))
+        except DistinctiveError as exc:
+            kept.append(exc)
+        except (StopIteration, StopAsyncIteration):
+            return False
+        return True
+
+    with _NoCollection():
+        if api == "sync":
+            it = iter(loader)
+            while take(lambda: next(it)):
+                pass
+        else:
+
+            async def main() -> None:
+                it = aiter(loader)
+                while True:
+                    try:
+                        got.append(int(await anext(it)))
+                    except DistinctiveError as exc:
+                        kept.append(exc)
+                    except StopAsyncIteration:
+                        return
+
+            asyncio.run(main())
+        assert got == [0, 1, 2, 3, 5, 6, 7, 8]
+        assert len(kept) == 1
+        assert wait_no_children() == []
+
+
+# -- a fork in user code --------------------------------------------------------------------
+
+
+def _forked(case: str, persistent: bool) -> tuple[dict[str, Any], str]:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "forked.py"), case, str(int(persistent))],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=within(40),
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, proc.stdout + proc.stderr
+    return json.loads(lines[-1][len("RESULT ") :]), proc.stderr
+
+
+_PAIRS = [[i, i + 1] for i in range(0, 40, 2)]
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
+@pytest.mark.parametrize("case", ["exit", "same", "new"])
+def test_a_fork_in_user_code_leaves_the_parents_pass_whole(
+    case: str, persistent: bool, no_leaks: None
+) -> None:
+    """``os.fork()`` while a pass runs. The child's normal exit no longer SIGTERMs the parent's
+    workers (multiprocessing's exit handler used the list of children the fork copied); the
+    parent's iterator in the child raises, saying whose it is, instead of a bare
+    AttributeError; a pass of the child's own works, with workers of its own."""
+    result, stderr = _forked(case, persistent)
+    assert result["parent"] == _PAIRS
+    assert result["child_status"] == 0
+    assert "can only join a child process" not in stderr
+    if case == "same":
+        assert result["child"]["error"].startswith("RuntimeError: aioload: this DataLoader ")
+        assert "copied into this one" in result["child"]["error"]
+    elif case == "new":
+        assert result["child"] == {"batches": _PAIRS}
+
+
+def test_a_fork_inside_a_worker_never_answers_for_it(no_leaks: None) -> None:
+    """A dataset forks in ``__getitem__`` and the copy returns into the worker's loop: it used
+    to take and answer tasks on the worker's socket (a batch made by the copy reached the
+    consumer). Now it finds the socket closed and leaves, saying why."""
+    result, stderr = _forked("inside", False)
+    assert result["parent"] == [[i, i * i] for i in range(12)]
+    assert "returned into the worker's loop" in stderr
+
+
 # -- persistent workers ----------------------------------------------------------------------
 
 
@@ -371,18 +551,33 @@ def test_persistent_workers_after_a_break(api: str, no_leaks: None) -> None:
 
 
 # Each start method once, and each API once: how the workers notice the death depends on how
-# they were started (under forkserver, they are the fork server's children, not the script's),
-# not on how the script iterates. A spawned or forkserver worker imports torch afresh, seconds
-# of the suite each on a loaded 2-core machine.
+# they were started (under forkserver, they are the fork server's children, not the script's;
+# under ``async for`` they are forked from short-lived threads, and the kernel's death signal,
+# which follows the forking thread, is not asked for), not on how the script iterates. A
+# spawned or forkserver worker imports torch afresh, seconds of the suite each on a loaded
+# 2-core machine. ``where``: between two samples, or inside a sample that sleeps (or holds the
+# GIL in C code) for longer than the test runs.
 @pytest.mark.parametrize(
-    "context, api",
-    [("default", "sync"), ("default", "async"), ("spawn", "sync"), ("forkserver", "sync")],
+    "context, api, where",
+    [
+        ("default", "sync", "between"),
+        ("default", "async", "between"),
+        ("spawn", "sync", "between"),
+        ("forkserver", "sync", "between"),
+        ("default", "sync", "sleep"),
+        ("default", "async", "sleep"),
+        ("spawn", "async", "sleep"),
+        ("forkserver", "sync", "sleep"),
+        ("default", "sync", "gil"),
+    ],
 )
-def test_workers_exit_when_their_parent_is_killed(context: str, api: str, no_leaks: None) -> None:
+def test_workers_exit_when_their_parent_is_killed(
+    context: str, api: str, where: str, no_leaks: None
+) -> None:
     if context == "default":
         assert multiprocessing.get_start_method() == "fork" or sys.platform != "linux"
     proc = subprocess.Popen(
-        [sys.executable, str(SCRIPTS / "orphaned.py"), context, api],
+        [sys.executable, str(SCRIPTS / "orphaned.py"), context, api, where],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -397,6 +592,8 @@ def test_workers_exit_when_their_parent_is_killed(context: str, api: str, no_lea
         assert len(workers) == 2
         script_children = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
         assert set(workers) <= script_children
+        if where != "between":
+            time.sleep(0.5)  # each worker is inside its stuck sample by now
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=within(10))
         left = wait_gone(workers, timeout=5)

@@ -317,3 +317,28 @@ class Sharded(IterableDataset[int]):
         if info is None:
             return iter(range(self.n))
         return iter(range(info.id, self.n, info.num_workers))
+
+
+class StuckAfter(Dataset[torch.Tensor]):
+    """``[i, pid]`` for the first ``fast`` indices; every later one gets stuck in user code for
+    ``seconds``: sleeping (``how="sleep"``), or holding the GIL in C code (``how="gil"``, a
+    regular expression that backtracks for longer than any test runs)."""
+
+    def __init__(self, n: int, fast: int, seconds: float = 40.0, how: str = "sleep") -> None:
+        self.n = n
+        self.fast = fast
+        self.seconds = seconds
+        self.how = how
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i >= self.fast:
+            if self.how == "gil":
+                import re
+
+                re.match(r"(a+)+$", "a" * 64 + "b")
+            else:
+                time.sleep(self.seconds)
+        return torch.tensor([i, os.getpid()])
