@@ -401,7 +401,10 @@ class WorkerSlabPool:
             self._destroy(self.free.pop(0))
 
     def discard(self, slab_id: int) -> None:
-        """Drop a slab that no batch holds, without keeping it idle."""
+        """Drop a slab that no batch holds, without keeping it idle (or one the parent could
+        not map: ``FreeSlabs.forget``)."""
+        if slab_id not in self.slabs:
+            return
         if slab_id in self.free:
             self.free.remove(slab_id)
         self._destroy(slab_id)
