@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
@@ -495,23 +496,30 @@ class _SyncIterator:
         self._len_fn = len_fn
         # The pass's counters (for aioload.progress).
         self.pass_stats = engine.stats
+        # NOTE [threads on one iterator]. Threads that share one iterator take turns: each
+        # batch goes to exactly one of them, as with torch's iterator (which the GIL
+        # serialises). The engine's steps are not made to interleave: unguarded, two threads
+        # lost batches and then hung. A thread waits here while another waits for a batch.
+        self._turn = threading.Lock()
 
     def __iter__(self) -> _SyncIterator:
         return self
 
     def __next__(self) -> Any:
-        stats = self._engine.stats
-        entered = stats.enter()
-        try:
-            batch = self._engine.next_blocking()
-            if batch is PENDING:
-                batch = _sync.run(self._engine.next())
-        finally:
-            stats.leave(entered)
-        if batch is END:
-            self._engine.close()
-            raise StopIteration
-        return batch
+        with self._turn:
+            engine = self._engine
+            stats = engine.stats
+            entered = stats.enter()
+            try:
+                batch = engine.next_blocking()
+                if batch is PENDING:
+                    batch = _sync.run(engine.next())
+            finally:
+                stats.leave(entered)
+            if batch is END:
+                engine.close()
+                raise StopIteration
+            return batch
 
     def __len__(self) -> int:
         return self._len_fn()
