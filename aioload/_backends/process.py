@@ -79,6 +79,8 @@ _HEALTH_CHECK_S = 1.0
 # (A batch in a slab is answered in a few hundred bytes; a pickled one can be any size.)
 _AWAIT_ONE_MAX_READ = 64 * 1024
 
+_CLOSED = "aioload: the worker pool has been shut down"
+
 # Parent ends of every pool's sockets, and every pool, in this process.
 _parent_fds: weakref.WeakSet[ParentChannel] = weakref.WeakSet()
 _pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
@@ -604,7 +606,7 @@ class WorkerPool:
         generations are dropped, and every worker gets the pass's plan, on which it makes
         its fetcher (IterableDataset workers re-create their iterator)."""
         if self.closed:
-            raise RuntimeError("aioload: the worker pool has been shut down")
+            raise RuntimeError(_CLOSED)
         self.plans = list(plans)
         if self.passes:
             self.generation += 1
@@ -689,13 +691,22 @@ class WorkerPool:
         sends nothing leaves a large one queued until then: at the end of the sampler, or for
         a worker whose IterableDataset stream has ended; neither worker has a task that needs
         the slab."""
+        if self.closed:
+            # (Closed under a pass: by the loader's shutdown(), maybe from another thread.)
+            raise RuntimeError(_CLOSED)
         if self.releases:
             self._queue_frees()
         events: list[Event] = []
         if time.monotonic() >= self._next_health_check:
             self._check_health(events)
         dead: list[_WorkerHandle] = []
-        for key, mask in self.selector.select(0):
+        try:
+            ready = self.selector.select(0)
+        except (AttributeError, ValueError, OSError):
+            if self.closed:  # closed by another thread meanwhile
+                raise RuntimeError(_CLOSED) from None
+            raise
+        for key, mask in ready:
             worker, what = key.data
             if what == "exit":
                 dead.append(worker)
@@ -866,6 +877,8 @@ class WorkerPool:
         A staggered start offers the next fork instead, as work to run in place of a sleep
         (NOTE [staggered start]); the engine then looks at what has arrived and comes back
         for the fork after it."""
+        if self.closed:
+            raise RuntimeError(_CLOSED)
         self._flush()
         if self._staggered is not None and (fork := self._staggered.offer(awaited)):
             return fork

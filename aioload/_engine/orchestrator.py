@@ -545,6 +545,14 @@ class Orchestrator:
     def closed(self) -> bool:
         return self._closed
 
+    def stop(self, error: BaseException) -> None:
+        """End the pass from outside (its loader's ``shutdown()`` stopped the workers it runs
+        on): every later ``next`` raises ``error``, rather than end as if the pass were whole.
+        A pass already over stays as it is."""
+        if not (self._finished or self._closed):
+            self._fatal = error
+        self.close()
+
     def close(self) -> None:
         """Release what this pass owns. Safe to call more than once, and from ``__del__``."""
         self.stats.end()
