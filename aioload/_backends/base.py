@@ -203,7 +203,7 @@ class BackendKeeper:
         if previous is not None:
             # One pass at a time on a kept backend: the one before ends, and says why if it
             # is asked for another batch (quietly, it would pass for a whole epoch).
-            previous.stop(RuntimeError(SUPERSEDED_MESSAGE))
+            previous.close(RuntimeError(SUPERSEDED_MESSAGE))
         if self.reusable():
             kept = self.kept
             assert kept is not None
@@ -230,7 +230,7 @@ class BackendKeeper:
         if self.kept is not None and self.current_pass is not None:
             running = self.current_pass()
             if running is not None:
-                running.stop(RuntimeError(SHUT_DOWN_MESSAGE))
+                running.close(RuntimeError(SHUT_DOWN_MESSAGE))
         kept, self.kept = self.kept, None
         if kept is not None:
             kept.close()

@@ -396,6 +396,36 @@ def _fds_exhausted(pid: int | None) -> str:
     )
 
 
+def _map_slab(worker: _WorkerHandle, result: SlabBatch) -> BaseException | None:
+    """Map the new slab ``result`` announces; the error that says why not, where it could
+    not be (its descriptor never came, or the mapping failed)."""
+    fd = worker.channel.take_fd()
+    if fd is None:
+        return RuntimeError(_fds_exhausted(worker.pid))
+    try:
+        worker.mappings.add(result.slab_id, fd, result.capacity)
+    except OSError as error:
+        message = (
+            f"aioload: the shared memory of a batch from DataLoader worker (pid "
+            f"{worker.pid}) could not be mapped in this process: {error}. This batch is "
+            f"lost; the pass goes on with the next one. Free memory (or raise the limit "
+            f"on this process's address space), or lower batch_size or prefetch_factor."
+        )
+        mapped = RuntimeError(message)
+        mapped.__cause__ = error
+        return mapped
+    return None
+
+
+def _unmapped(worker: _WorkerHandle, reply: Reply, error: BaseException) -> Answer:
+    """The answer to a batch whose slab never reached this process: ``error`` in its turn.
+    The worker is told to forget the slab (it must never put a batch in it again: this
+    side has no mapping of it), and the other answers of this poll go on as usual."""
+    assert isinstance(reply.result, SlabBatch)
+    worker.channel.queue(FreeSlabs([reply.result.slab_id], forget=True))
+    return Answer(worker.worker_id, reply.task_id, Raised(error), reply.stream, reply.busy_s)
+
+
 def _describe_exit(worker: _WorkerHandle) -> tuple[str, int | None]:
     code = worker.process.exitcode
     pid = worker.pid
@@ -746,9 +776,9 @@ class WorkerPool:
         current = reply.generation == self.generation
         if isinstance(result, SlabBatch):
             if result.capacity:
-                lost = self._map_slab(worker, result)
+                lost = _map_slab(worker, result)
                 if lost is not None:
-                    return self._unmapped(worker, reply, lost) if current else None
+                    return _unmapped(worker, reply, lost) if current else None
             if not current and result.slab_id >= 0:
                 self.releases.append((worker, result.slab_id))
         if not current:
@@ -765,34 +795,6 @@ class WorkerPool:
         if type(answer.outcome) is not Batch and failed_in_setup(answer):
             self.retired = True
         return answer
-
-    def _map_slab(self, worker: _WorkerHandle, result: SlabBatch) -> BaseException | None:
-        """Map the new slab ``result`` announces; the error that says why not, where it could
-        not be (its descriptor never came, or the mapping failed)."""
-        fd = worker.channel.take_fd()
-        if fd is None:
-            return RuntimeError(_fds_exhausted(worker.pid))
-        try:
-            worker.mappings.add(result.slab_id, fd, result.capacity)
-        except OSError as error:
-            message = (
-                f"aioload: the shared memory of a batch from DataLoader worker (pid "
-                f"{worker.pid}) could not be mapped in this process: {error}. This batch is "
-                f"lost; the pass goes on with the next one. Free memory (or raise the limit "
-                f"on this process's address space), or lower batch_size or prefetch_factor."
-            )
-            mapped = RuntimeError(message)
-            mapped.__cause__ = error
-            return mapped
-        return None
-
-    def _unmapped(self, worker: _WorkerHandle, reply: Reply, error: BaseException) -> Answer:
-        """The answer to a batch whose slab never reached this process: ``error`` in its turn.
-        The worker is told to forget the slab (it must never put a batch in it again: this
-        side has no mapping of it), and the other answers of this poll go on as usual."""
-        assert isinstance(reply.result, SlabBatch)
-        worker.channel.queue(FreeSlabs([reply.result.slab_id], forget=True))
-        return Answer(worker.worker_id, reply.task_id, Raised(error), reply.stream, reply.busy_s)
 
     def _on_death(self, worker: _WorkerHandle, events: list[Event]) -> None:
         if worker.exited:
