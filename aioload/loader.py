@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, Literal, TypeVar
@@ -504,34 +505,40 @@ class _SyncIterator:
         self._len_fn = len_fn
         # The pass's counters (for aioload.progress).
         self.pass_stats = engine.stats
+        # NOTE [threads on one iterator]. Threads that share one iterator take turns: each
+        # batch goes to exactly one of them, as with torch's iterator (which the GIL
+        # serialises). The engine's steps are not made to interleave: unguarded, two threads
+        # lost batches and then hung. A thread waits here while another waits for a batch.
+        self._turn = threading.Lock()
 
     def __iter__(self) -> _SyncIterator:
         return self
 
     def __next__(self) -> Any:
-        engine = self._engine
-        stats = engine.stats
-        entered = stats.enter()
-        try:
-            batch = engine.next_blocking()
-            if batch is PENDING:
-                batch = _sync.run(engine.next())
-        except BaseException as error:
-            if not isinstance(error, Exception):
-                # Ctrl-C (or SystemExit) ends the pass wherever it lands, as under `async
-                # for`: a notebook keeps the interrupt, and with it this iterator.
+        with self._turn:
+            engine = self._engine
+            stats = engine.stats
+            entered = stats.enter()
+            try:
+                batch = engine.next_blocking()
+                if batch is PENDING:
+                    batch = _sync.run(engine.next())
+            except BaseException as error:
+                if not isinstance(error, Exception):
+                    # Ctrl-C (or SystemExit) ends the pass wherever it lands, as under `async
+                    # for`: a notebook keeps the interrupt, and with it this iterator.
+                    engine.close()
+                # Nothing in the error's traceback may keep the pass alive: it then ends when the
+                # consumer drops the iterator, not at a garbage collection (release_pass_frames).
+                release_pass_frames(error)
+                del self, engine
+                raise
+            finally:
+                stats.leave(entered)
+            if batch is END:
                 engine.close()
-            # Nothing in the error's traceback may keep the pass alive: it then ends when the
-            # consumer drops the iterator, not at a garbage collection (release_pass_frames).
-            release_pass_frames(error)
-            del self, engine
-            raise
-        finally:
-            stats.leave(entered)
-        if batch is END:
-            engine.close()
-            raise StopIteration
-        return batch
+                raise StopIteration
+            return batch
 
     def __len__(self) -> int:
         return self._len_fn()

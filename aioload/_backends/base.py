@@ -162,6 +162,18 @@ class TunableBackend(Protocol):
         """An async dataset's fetches in flight per worker, from now on."""
 
 
+SHUT_DOWN_MESSAGE = (
+    "aioload: this pass's workers were stopped by DataLoader.shutdown(), so the pass cannot go "
+    "on; start a new pass (iter(loader) or `async for`), which starts fresh workers"
+)
+
+SUPERSEDED_MESSAGE = (
+    "aioload: a newer pass over this loader (iter(loader) or `async for`) took over its "
+    "persistent workers, so this pass cannot go on; with persistent_workers, iterate one "
+    "pass at a time"
+)
+
+
 class BackendKeeper:
     """Which backend a pass runs on: a fresh one per pass, or (``persistent_workers``) one kept
     for the loader's life and replaced only when it is closed or retired."""
@@ -189,7 +201,9 @@ class BackendKeeper:
             return (lambda: make(seed)), True
         previous = self.current_pass() if self.current_pass is not None else None
         if previous is not None:
-            previous.close()  # one pass at a time on a kept backend
+            # One pass at a time on a kept backend: the one before ends, and says why if it
+            # is asked for another batch (quietly, it would pass for a whole epoch).
+            previous.close(RuntimeError(SUPERSEDED_MESSAGE))
         if self.reusable():
             kept = self.kept
             assert kept is not None
@@ -210,6 +224,13 @@ class BackendKeeper:
         return start, False
 
     def shutdown(self) -> None:
+        """Stop the kept workers (``DataLoader.shutdown()``). A pass that runs on them ends
+        with an error that says so: its batches cannot come any more, and ending it quietly
+        would pass for a whole epoch. The next pass starts fresh workers."""
+        if self.kept is not None and self.current_pass is not None:
+            running = self.current_pass()
+            if running is not None:
+                running.close(RuntimeError(SHUT_DOWN_MESSAGE))
         kept, self.kept = self.kept, None
         if kept is not None:
             kept.close()

@@ -39,6 +39,7 @@ from .._wire.messages import (
     FreeSlabs,
     PassPlan,
     PickledBatch,
+    Raised,
     Reply,
     Reset,
     SetConcurrency,
@@ -77,6 +78,8 @@ _HEALTH_CHECK_S = 1.0
 # every worker.
 # (A batch in a slab is answered in a few hundred bytes; a pickled one can be any size.)
 _AWAIT_ONE_MAX_READ = 64 * 1024
+
+_CLOSED = "aioload: the worker pool has been shut down"
 
 # Parent ends of every pool's sockets, and every pool, in this process.
 _parent_fds: weakref.WeakSet[ParentChannel] = weakref.WeakSet()
@@ -385,6 +388,56 @@ _MAIN_GUARD_HINT = (
 )
 
 
+def _fds_exhausted(pid: int | None) -> str:
+    """What the consumer reads when a slab's descriptor could not be received: torch's words
+    ("Too many open files"), with advice that fits aioload (it has no sharing strategy)."""
+    try:
+        import resource
+
+        limit = f", at its limit of {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}"
+    except (ImportError, OSError, ValueError):
+        limit = ""
+    return (
+        f"Too many open files. This process's descriptor table is full{limit}, so the shared "
+        f"memory of a batch from DataLoader worker (pid {pid}) could not be received. This "
+        f"batch is lost; the pass goes on with the next one once descriptors are free. Please "
+        f"increase the limit using `ulimit -n` in the shell (or "
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, ...) at the beginning of your code), or "
+        f"close the descriptors your code keeps open. (aioload holds no descriptor per batch: "
+        f"batches you keep do not count toward the limit.)"
+    )
+
+
+def _map_slab(worker: _WorkerHandle, result: SlabBatch) -> BaseException | None:
+    """Map the new slab ``result`` announces; the error that says why not, where it could
+    not be (its descriptor never came, or the mapping failed)."""
+    fd = worker.channel.take_fd()
+    if fd is None:
+        return RuntimeError(_fds_exhausted(worker.pid))
+    try:
+        worker.mappings.add(result.slab_id, fd, result.capacity)
+    except OSError as error:
+        message = (
+            f"aioload: the shared memory of a batch from DataLoader worker (pid "
+            f"{worker.pid}) could not be mapped in this process: {error}. This batch is "
+            f"lost; the pass goes on with the next one. Free memory (or raise the limit "
+            f"on this process's address space), or lower batch_size or prefetch_factor."
+        )
+        mapped = RuntimeError(message)
+        mapped.__cause__ = error
+        return mapped
+    return None
+
+
+def _unmapped(worker: _WorkerHandle, reply: Reply, error: BaseException) -> Answer:
+    """The answer to a batch whose slab never reached this process: ``error`` in its turn.
+    The worker is told to forget the slab (it must never put a batch in it again: this
+    side has no mapping of it), and the other answers of this poll go on as usual."""
+    assert isinstance(reply.result, SlabBatch)
+    worker.channel.queue(FreeSlabs([reply.result.slab_id], forget=True))
+    return Answer(worker.worker_id, reply.task_id, Raised(error), reply.stream, reply.busy_s)
+
+
 def _describe_exit(worker: _WorkerHandle) -> tuple[str, int | None]:
     code = worker.process.exitcode
     pid = worker.pid
@@ -600,7 +653,7 @@ class WorkerPool:
         generations are dropped, and every worker gets the pass's plan, on which it makes
         its fetcher (IterableDataset workers re-create their iterator)."""
         if self.closed:
-            raise RuntimeError("aioload: the worker pool has been shut down")
+            raise RuntimeError(_CLOSED)
         self.plans = list(plans)
         if self.passes:
             self.generation += 1
@@ -685,13 +738,22 @@ class WorkerPool:
         sends nothing leaves a large one queued until then: at the end of the sampler, or for
         a worker whose IterableDataset stream has ended; neither worker has a task that needs
         the slab."""
+        if self.closed:
+            # (Closed under a pass: by the loader's shutdown(), maybe from another thread.)
+            raise RuntimeError(_CLOSED)
         if self.releases:
             self._queue_frees()
         events: list[Event] = []
         if time.monotonic() >= self._next_health_check:
             self._check_health(events)
         dead: list[_WorkerHandle] = []
-        for key, mask in self.selector.select(0):
+        try:
+            ready = self.selector.select(0)
+        except (AttributeError, ValueError, OSError):
+            if self.closed:  # closed by another thread meanwhile
+                raise RuntimeError(_CLOSED) from None
+            raise
+        for key, mask in ready:
             worker, what = key.data
             if what == "exit":
                 dead.append(worker)
@@ -731,12 +793,21 @@ class WorkerPool:
         current = reply.generation == self.generation
         if isinstance(result, SlabBatch):
             if result.capacity:
-                worker.mappings.add(result.slab_id, worker.channel.take_fd(), result.capacity)
+                lost = _map_slab(worker, result)
+                if lost is not None:
+                    return _unmapped(worker, reply, lost) if current else None
             if not current and result.slab_id >= 0:
                 self.releases.append((worker, result.slab_id))
         if not current:
             return None
-        answer = answer_to(worker.worker_id, reply, worker.batch_value)
+        try:
+            answer = answer_to(worker.worker_id, reply, worker.batch_value)
+        except Exception as error:
+            # A batch that cannot be rebuilt here (a class its pickle names fails to load, a
+            # slab missing): this batch's error, in its turn, and not an exception out of
+            # ``poll`` that would lose every answer read after it.
+            outcome = Raised(error)
+            return Answer(worker.worker_id, reply.task_id, outcome, reply.stream, reply.busy_s)
         # (A batch, nearly every answer, is no failure: asked without a call.)
         if type(answer.outcome) is not Batch and failed_in_setup(answer):
             self.retired = True
@@ -825,6 +896,8 @@ class WorkerPool:
         A staggered start offers the next fork instead, as work to run in place of a sleep
         (NOTE [staggered start]); the engine then looks at what has arrived and comes back
         for the fork after it."""
+        if self.closed:
+            raise RuntimeError(_CLOSED)
         self._flush()
         if self._staggered is not None and (fork := self._staggered.offer(awaited)):
             return fork

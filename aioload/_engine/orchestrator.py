@@ -530,10 +530,7 @@ class Orchestrator:
     def _fail(self, error: BaseException) -> NoReturn:
         # A lost worker ends the pass: its tasks cannot be answered. Shut the backend down
         # now (a persistent one too, so the loader starts a fresh one next epoch).
-        self._fatal = error
-        self._closed = True
-        self.stats.end()
-        self._close_owned()  # the pin stage, and the backend if this pass owns it
+        self.close(error)  # the pin stage, and the backend if this pass owns it
         self._backend.close()  # a kept backend too: it is broken
         raise error
 
@@ -547,12 +544,15 @@ class Orchestrator:
     def closed(self) -> bool:
         return self._closed
 
-    def close(self) -> None:
-        """Release what this pass owns. Safe to call more than once, and from ``__del__``."""
+    def close(self, error: BaseException | None = None) -> None:
+        """Release what this pass owns. Safe to call more than once, and from ``__del__``.
+        ``error``: what every later ``next`` of a pass not over yet raises (a failure, or the
+        loader's ``shutdown()``, which stopped its workers: it must not pass for a whole one)."""
         self.stats.end()
         if self._closed:
             return
         self._closed = True
+        self._fatal = error if error is not None and not self._finished else self._fatal
         self._close_owned()
 
     def _close_owned(self) -> None:

@@ -36,6 +36,8 @@ _READ_CHUNK = 1 << 20
 # Room for the descriptors that can ride on one read.
 _MAX_FDS_PER_READ = 64
 _ANC_SPACE = socket.CMSG_SPACE(_MAX_FDS_PER_READ * array.array("i").itemsize)
+# In ``ParentChannel.fds``, where a frame's descriptors should be but did not arrive.
+LOST = -1
 
 
 def _read_buffer() -> memoryview:
@@ -165,23 +167,20 @@ class ParentChannel(_Channel):
         read = 0
         while read < budget:
             try:
-                nbytes, ancdata, _flags, _addr = self.sock.recvmsg_into([self._chunk], _ANC_SPACE)
+                nbytes, ancdata, flags, _addr = self.sock.recvmsg_into([self._chunk], _ANC_SPACE)
             except (BlockingIOError, InterruptedError):
                 break
             except ConnectionResetError:
                 eof = True
                 break
-            for level, kind, raw in ancdata:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds = array.array("i")
-                    fds.frombytes(raw[: len(raw) - (len(raw) % fds.itemsize)])
-                    self.fds.extend(fds)
+            if ancdata or flags & socket.MSG_CTRUNC:
+                self._take_in_fds(ancdata, flags)
             if not nbytes:
                 eof = True
                 break
             self.inbox += self._chunk[:nbytes]
             read += nbytes
-            if nbytes < len(self._chunk) and not ancdata:
+            if nbytes < len(self._chunk) and not ancdata and not flags & socket.MSG_CTRUNC:
                 # A short read took everything the socket held: another recvmsg would only
                 # fail with EAGAIN (a syscall and an exception per poll). A read that carried
                 # descriptors may have stopped at them, with more behind: that one reads on.
@@ -214,8 +213,35 @@ class ParentChannel(_Channel):
             del self.inbox[:pos]
         return frames
 
-    def take_fd(self) -> int:
-        return self.fds.popleft()
+    def _take_in_fds(self, ancdata: list[tuple[int, int, bytes]], flags: int) -> None:
+        """Queue the descriptors one read brought, or, where the kernel could not hand them
+        over, a ``LOST`` marker in their place.
+
+        A read stops after the data that carries descriptors (a unix socket never glues two
+        sends' descriptors into one read), so what one read brings belongs to one frame: the
+        next in the stream to announce a slab. With the descriptor table full (EMFILE) the
+        kernel drops them and sets MSG_CTRUNC; the frame still comes. Without the marker that
+        frame would pop nothing (or the next frame's descriptor, mapping the wrong slab); with
+        it, it learns its slab never came (``take_fd`` returns None)."""
+        fds = array.array("i")
+        for level, kind, raw in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(raw[: len(raw) - (len(raw) % fds.itemsize)])
+        if flags & socket.MSG_CTRUNC:
+            # Part of a frame's descriptors is as useless as none: let go of what came.
+            for fd in fds:
+                os.close(fd)
+            self.fds.append(LOST)
+        else:
+            self.fds.extend(fds)
+
+    def take_fd(self) -> int | None:
+        """The descriptor of the next frame that announces a slab; None where it was lost
+        (the descriptor table was full when it arrived, see ``_take_in_fds``)."""
+        if not self.fds:
+            return None
+        fd = self.fds.popleft()
+        return None if fd == LOST else fd
 
     def close(self) -> None:
         if self.closed:
@@ -223,7 +249,9 @@ class ParentChannel(_Channel):
         self.closed = True
         self.sock.close()
         while self.fds:
-            os.close(self.fds.popleft())
+            fd = self.fds.popleft()
+            if fd != LOST:
+                os.close(fd)
 
 
 class WorkerChannel(_Channel):

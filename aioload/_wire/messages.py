@@ -73,9 +73,12 @@ class Task(NamedTuple):
 
 
 class FreeSlabs(NamedTuple):
-    """The consumer has let go of these slabs' batches: the worker may reuse them."""
+    """The consumer has let go of these slabs' batches: the worker may reuse them. With
+    ``forget``, the parent could not map them (a descriptor that never arrived): the worker
+    must never use them again."""
 
     slab_ids: list[int]
+    forget: bool = False
 
 
 class SetConcurrency(NamedTuple):

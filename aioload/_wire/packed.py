@@ -151,7 +151,7 @@ def pack_to_worker(message: Any) -> bytes | None:
             ) + (struct.pack(f"<{len(freed)}q", *freed) if freed else b"")
         # (Slicing a named tuple gives a plain tuple of its fields.)
         return _TASK_MARKER_BYTE + pickle.dumps(message[:], protocol=pickle.HIGHEST_PROTOCOL)
-    if kind is FreeSlabs:
+    if kind is FreeSlabs and not message.forget:
         ids = message.slab_ids
         return _FREE_MARKER_BYTE + struct.pack(f"<{len(ids)}q", *ids)
     return None

@@ -35,6 +35,7 @@ import pickle
 import sys
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -78,6 +79,18 @@ EAGER_FREE_BYTES = 1 << 20
 _FREE_PATIENCE_MAX_S = 0.02
 _WAITS_SKIPPED_AFTER_IN_VAIN = 64
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+# NOTE [slab size]. A slab is sized before its batch is known (by the batches before it),
+# and a tensor the consumer keeps keeps its batch's whole slab. So a slab is sized by the
+# largest of a worker's last few batches, not the largest it ever made (one large first
+# batch made every later slab that large: 8 MB slabs kept alive by 16-byte labels); and a
+# slab whose batch uses less than a quarter of it gives the rest back to the kernel before
+# the batch goes out (``_Slab.fit``), so what a kept batch holds stays within a few times
+# its own size. Batches of one size, the steady state, use their slabs whole: reuse and
+# the absence of per-batch system calls are untouched.
+_RECENT_BATCHES = 4
+_FIT_BELOW = 4  # a batch that uses less than 1/_FIT_BELOW of its slab...
+_FIT_MIN_SAVING = 1 << 18  # ...and leaves at least this much of it unused
+_MADV_REMOVE = getattr(mmap, "MADV_REMOVE", 9)
 
 # Array dtypes that can be reinterpreted from raw bytes. Anything else is pickled.
 _TORCH_DTYPES: frozenset[torch.dtype] = frozenset(
@@ -130,6 +143,8 @@ _libc.mmap.argtypes = [
 ]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -216,6 +231,18 @@ class _Slab:
         # torch hands back that same object, whose Python references tell whether anyone
         # holds it.
         return sys.getrefcount(self.tensor.untyped_storage()) > self.own_refs
+
+    def fit(self, used: int) -> None:
+        """Give back to the kernel what lies past ``used`` (rounded up to a page), where that
+        is most of the slab (NOTE [slab size]). The pages are freed for every process that
+        maps the slab (MADV_REMOVE punches a hole in the memfd); the mapping keeps its
+        length, and the slab is from now on only ``capacity`` bytes long, so nothing touches
+        the hole again."""
+        keep = _round_up(max(used, _MIN_SLAB), _PAGE)
+        if used * _FIT_BELOW >= self.capacity or self.capacity - keep < _FIT_MIN_SAVING:
+            return
+        if _libc.madvise(self.ptr + keep, self.capacity - keep, _MADV_REMOVE) == 0:
+            self.capacity = keep
 
     def take_fd(self) -> int | None:
         """The descriptor, once: it is sent to the parent with the first batch."""
@@ -306,7 +333,9 @@ class WorkerSlabPool:
         self.slabs: dict[int, _Slab] = {}
         self.free: list[int] = []
         self.dropped: list[int] = []
+        # What the next batch probably needs: the largest of the last few (NOTE [slab size]).
         self.expected = 0
+        self._recent: deque[int] = deque(maxlen=_RECENT_BATCHES)
         self._next_id = 0
         # Takes in the frees the parent has sent since the current task was read, from the
         # worker's socket, waiting up to the given seconds for one; set by a worker process
@@ -392,6 +421,13 @@ class WorkerSlabPool:
         if not any(self.slabs[i].capacity >= min_bytes for i in self.free):
             self._waits_skipped = _WAITS_SKIPPED_AFTER_IN_VAIN
 
+    def batch_made(self, slab: _Slab, used: int) -> None:
+        """A batch of ``used`` bytes was put in ``slab``: the next batches' size is guessed
+        from it, and the slab fitted to it (NOTE [slab size])."""
+        self._recent.append(used)
+        self.expected = max(self._recent)
+        slab.fit(used)
+
     def release(self, slab_id: int) -> None:
         # Idempotent: a slab listed twice in ``free`` could be handed to two live batches.
         if slab_id not in self.slabs or slab_id in self.free:
@@ -401,7 +437,10 @@ class WorkerSlabPool:
             self._destroy(self.free.pop(0))
 
     def discard(self, slab_id: int) -> None:
-        """Drop a slab that no batch holds, without keeping it idle."""
+        """Drop a slab that no batch holds, without keeping it idle (or one the parent could
+        not map: ``FreeSlabs.forget``)."""
+        if slab_id not in self.slabs:
+            return
         if slab_id in self.free:
             self.free.remove(slab_id)
         self._destroy(slab_id)
@@ -691,8 +730,7 @@ def encode_batch(batch: Any, pool: WorkerSlabPool, arena: _Arena | None) -> Enco
                 _copy_into(target, offset, nbytes, leaf, strides)
         described.append(_describe(leaf, shape, offset, strides))
 
-    if target.used > pool.expected:
-        pool.expected = target.used
+    pool.batch_made(slab, target.used)
     encoded.slab = slab
     encoded.used = target.used
     encoded.new_slab = slab.fd is not None

@@ -781,7 +781,10 @@ class _ProcessWorker:
     def _absorb(self, message: ToWorker) -> None:
         if isinstance(message, FreeSlabs):
             for slab_id in message.slab_ids:
-                self.slabs.release(slab_id)
+                if message.forget:
+                    self.slabs.discard(slab_id)
+                else:
+                    self.slabs.release(slab_id)
             return
         if isinstance(message, SetConcurrency):
             self.step.set_concurrency(message.concurrency)

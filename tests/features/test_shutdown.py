@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -519,6 +520,76 @@ def test_persistent_workers_stop_on_shutdown(api: str, no_leaks: None) -> None:
     assert not pids3 & pids1
     loader.shutdown()
     assert wait_gone(pids3, timeout=2) == []
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_shutdown_during_a_pass_ends_it_with_an_error_that_says_so(
+    api: str, no_leaks: None
+) -> None:
+    loader = aioload.DataLoader(Pids(40), batch_size=2, num_workers=2, persistent_workers=True)
+    loop = asyncio.new_event_loop()
+    step = (
+        (lambda it: next(it))
+        if api == "sync"
+        else (lambda it: loop.run_until_complete(it.__anext__()))
+    )
+    try:
+        it = iter(loader) if api == "sync" else loader.__aiter__()
+        pids = {int(pid) for pid in step(it)[:, 1]}
+        loader.shutdown()
+        loader.shutdown()  # twice: nothing more to stop
+        assert wait_gone(pids, timeout=2) == []
+        for _ in range(2):  # and again: the same error, no hang
+            with pytest.raises(RuntimeError, match=r"stopped by DataLoader\.shutdown\(\)"):
+                step(it)
+        # A new pass starts fresh workers.
+        batches = _epoch(loader, api)
+        assert [int(i) for b in batches for i in b[:, 0]] == list(range(40))
+        new_pids = {int(pid) for b in batches for pid in b[:, 1]}
+        assert new_pids and not new_pids & pids
+        loader.shutdown()
+        assert wait_gone(new_pids, timeout=2) == []
+    finally:
+        loop.close()
+
+
+def test_shutdown_from_another_thread_ends_the_pass_in_iteration(no_leaks: None) -> None:
+    loader = aioload.DataLoader(
+        Slow(4000, 0.002), batch_size=2, num_workers=2, persistent_workers=True
+    )
+    taken: list[int] = []
+    errors: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            for _batch in loader:
+                taken.append(1)
+        except BaseException as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    assert wait_until(lambda: len(taken) >= 5)
+    loader.shutdown()
+    thread.join(within(20))
+    assert not thread.is_alive()
+    assert len(errors) == 1 and "DataLoader.shutdown()" in str(errors[0]), errors
+
+
+def test_a_newer_pass_on_persistent_workers_ends_the_older_one_with_an_error(
+    no_leaks: None,
+) -> None:
+    loader = aioload.DataLoader(Squares(20), batch_size=2, num_workers=2, persistent_workers=True)
+    first = iter(loader)
+    next(first)
+    second = iter(loader)
+    assert int(next(second)[0, 0]) == 0
+    with pytest.raises(RuntimeError, match="a newer pass over this loader"):
+        next(first)
+    assert len(list(second)) == 9
+    second.close()
+    second.close()  # twice: nothing more to close
+    loader.shutdown()
 
 
 @pytest.mark.parametrize("api", APIS)
