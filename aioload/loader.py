@@ -20,12 +20,7 @@ from ._backends.choice import WorkerFactory
 from ._backends.ray_config import RayWorkers
 from ._engine.orchestrator import END, PENDING, Orchestrator
 from ._engine.pinning import Transfer, make_transfer, torch_pin_plan
-from ._engine.resume import (
-    FORMAT,
-    PassProgress,
-    YieldedPositions,
-    parse_state,
-)
+from ._engine.resume import FORMAT, PassProgress, YieldedPositions
 from ._engine.setup import (
     check_extras,
     fit_state,
@@ -35,6 +30,7 @@ from ._engine.setup import (
     shard_index_sampler,
     torch_only_arguments,
 )
+from ._engine.state_format import parse_state
 from ._worker.datapipes import SharedSeeds
 from .stats import LoaderStats, PassStats, empty_stats
 

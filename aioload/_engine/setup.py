@@ -31,7 +31,6 @@ from ..stats import PassStats, SkipCap
 from .orchestrator import Orchestrator, PassSetup
 from .pinning import Transfer
 from .resume import (
-    ParsedState,
     PassProgress,
     SamplerStack,
     StreamPoint,
@@ -41,6 +40,7 @@ from .resume import (
     next_points,
     start_points,
 )
+from .state_format import ParsedState, check_fit
 from .tuning import PassTuning, auto_arguments
 
 __all__ = [
@@ -614,12 +614,7 @@ def fit_state(loader: LoaderView, parsed: ParsedState) -> None:
     progress = parsed.progress
     in_progress = parsed.in_progress
     iterable = loader._dataset_kind == 1
-    if progress.iterable != iterable:
-        raise ValueError(
-            "aioload: the state was saved for a "
-            f"{'n iterable' if progress.iterable else ' map-style'} dataset, this loader has "
-            f"a{'n iterable' if iterable else ' map-style'} one"
-        )
+    check_fit(parsed, iterable=iterable, batches=pass_length(loader))
     streams = max(1, loader.num_workers)
     tuner = loader._tuner
     if iterable and in_progress and tuner is not None and tuner.per_pass_workers:
@@ -659,6 +654,14 @@ def fit_state(loader: LoaderView, parsed: ParsedState) -> None:
             )
     # Checked now: a mismatch found when the next pass starts would drop the state.
     check_generator_count(progress.rng["generators"], loader._generators())
+
+
+def pass_length(loader: LoaderView) -> int | None:
+    """How many batches a map-style pass has (None: the sampler has no length)."""
+    try:
+        return len(loader._index_sampler)
+    except (TypeError, NotImplementedError):
+        return None
 
 
 def next_pass_progress(loader: LoaderView) -> PassProgress:
