@@ -390,6 +390,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         self._number_next_pass(progress.epoch)
         self._pending_resume = progress
         self._pending_in_progress = in_progress
+        # NOTE [ A loaded state runs on fresh workers ]
+        # Kept workers (persistent_workers) have drawn from their process-wide generators
+        # since they started, and hold datasets that may have gone on; the checkpointed pass's
+        # workers had not. So the resumed pass starts its own, seeded as the state says (as
+        # StatefulDataLoader does: load_state_dict drops its iterator and its workers); a pass
+        # still running on the kept ones is served out.
+        kept = self._workers.kept
+        if kept is not None:
+            kept.retire()
 
     def _pool_reusable(self) -> bool:
         """Whether the next pass runs on the live persistent workers (and so draws no seed)."""

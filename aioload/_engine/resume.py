@@ -491,6 +491,12 @@ def begin_pass(
         else {"torch": torch.get_rng_state(), "generators": generator_states(generators)}
     )
     callers_rng = torch.get_rng_state() if resumed else None
+    if replaying and not starts_workers and resume is not None and not len(resume.yielded):
+        # A pass checkpointed in the calling process before its first batch: its dataset
+        # had drawn nothing yet, and would have found the generators where the pass's own
+        # draws left them (torchdata's state holds them there, in the state of the iterator
+        # torch's single-process iterator makes at iter()). The resumed pass leaves them there.
+        callers_rng = None
     try:
         if resume is not None:
             torch.set_rng_state(snapshot["torch"])

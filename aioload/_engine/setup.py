@@ -37,6 +37,7 @@ from .resume import (
     begin_pass,
     check_generator_count,
     generator_states,
+    live_point,
     next_points,
     start_points,
 )
@@ -543,13 +544,26 @@ def pass_setup(loader: LoaderView, offload_inline: bool) -> tuple[PassSetup, Bac
     reuse_workers = loader._pool_reusable()
     if loader._tuner is not None:
         begin_tuned_pass(loader, resume, reuse_workers)
+    in_progress = resume is not None and loader._pending_in_progress
+    in_caller = loader.num_workers == 0
+    # NOTE [ The calling process's dataset and the process's generators ]
+    # With num_workers=0 the dataset draws from the same process-wide generators (torch's,
+    # random's, numpy's) as the pass itself (its base seed, its sampler's order), so the order
+    # of the two must be an uninterrupted run's: a state taken between passes held the
+    # dataset as it stood before the next pass drew, so it is loaded before this pass draws
+    # (and not again at the first fetch); and the dataset's state at the start of a pass is
+    # taken after the pass drew, where the first fetch finds it.
+    preloaded = resume is not None and not in_progress and in_caller
+    if preloaded:
+        assert resume is not None
+        load_in_caller(loader.dataset, resume.streams[0])
     points, load_points = start_points(
         loader.num_workers, loader.dataset, loader._latest_pass, resume, reuse_workers
     )
     start = begin_pass(
         epoch=epoch,
         resume=resume,
-        in_progress=resume is not None and loader._pending_in_progress,
+        in_progress=in_progress,
         reuse_workers=reuse_workers,
         index_sampler=loader._index_sampler,
         generators=loader._generators(),
@@ -567,6 +581,10 @@ def pass_setup(loader: LoaderView, offload_inline: bool) -> tuple[PassSetup, Bac
         load_points=load_points,
         worker_seed=loader._pool_seed if reuse_workers else None,
     )
+    if in_caller and not in_progress:
+        start.progress.streams = [live_point(loader.dataset)]
+        if preloaded:
+            start.plans[0] = start.plans[0]._replace(dataset_state=None)
     loader._sample_seed = start.sample_seed
     loader._latest_pass = start.progress
     if loader.num_workers > 0 and not reuse_workers:
@@ -605,6 +623,13 @@ def pass_setup(loader: LoaderView, offload_inline: bool) -> tuple[PassSetup, Bac
         skip_cap=skip_cap(loader),
     )
     return setup, backend
+
+
+def load_in_caller(dataset: Any, point: StreamPoint) -> None:
+    """Load the state a loaded checkpoint holds of the calling process's dataset (taken
+    between passes) now."""
+    if point.dataset_state is not None:
+        dataset.load_state_dict(point.dataset_state)
 
 
 def fit_state(loader: LoaderView, parsed: ParsedState) -> None:
