@@ -21,6 +21,7 @@ from ._backends.ray_config import RayWorkers
 from ._engine.orchestrator import END, PENDING, Orchestrator
 from ._engine.pinning import Transfer, make_transfer, torch_pin_plan
 from ._engine.resume import FORMAT, PassProgress, YieldedPositions
+from ._engine.samplers import use_stateful_shuffle
 from ._engine.setup import (
     check_extras,
     fit_state,
@@ -228,6 +229,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             persistent_workers=persistent_workers,
             **torch_only_arguments(pin_memory_device=pin_memory_device, in_order=in_order),
         )
+        if shuffle and sampler is None and batch_sampler is None:
+            # torch's samplers, with a state a framework can resume from (_engine.samplers).
+            use_stateful_shuffle(self, generator)
         # What the installed torch's DataLoader does not take, this one keeps itself.
         if not hasattr(self, "pin_memory_device"):
             self.pin_memory_device = pin_memory_device
@@ -390,12 +394,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         self._number_next_pass(progress.epoch)
         self._pending_resume = progress
         self._pending_in_progress = in_progress
-        # NOTE [ A loaded state runs on fresh workers ]
-        # Kept workers (persistent_workers) have drawn from their process-wide generators
-        # since they started, and hold datasets that may have gone on; the checkpointed pass's
-        # workers had not. So the resumed pass starts its own, seeded as the state says (as
-        # StatefulDataLoader does: load_state_dict drops its iterator and its workers); a pass
-        # still running on the kept ones is served out.
+        # NOTE: kept workers have drawn from their RNGs since they started, so the resumed
+        # pass starts fresh ones, seeded as the state says (as StatefulDataLoader does); a
+        # pass still running on the kept ones is served out.
         kept = self._workers.kept
         if kept is not None:
             kept.retire()

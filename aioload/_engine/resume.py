@@ -43,6 +43,7 @@ from torch.utils.data import BatchSampler, SequentialSampler
 from .._wire.messages import IndexRange, PassPlan, StreamState
 from .._worker.fetch import is_stateful
 from ..stats import SkippedSample
+from .samplers import is_replayed
 
 __all__ = [
     "FORMAT",
@@ -200,7 +201,10 @@ class SamplerStack:
         self.fast = exact and _sequential(index_sampler)  # type: ignore[arg-type]
         self.batching = exact and not self.fast
         self.target: Any = index_sampler.sampler if self.batching else index_sampler  # type: ignore[attr-defined]
-        self.target_stateful = is_stateful(self.target)
+        # aioload's own RandomSampler (shuffle=True) has a state for frameworks that rebuild
+        # the loader; the engine replays it from the RNG states it records instead (see
+        # _engine.samplers), which also replays its draws from torch's global RNG.
+        self.target_stateful = is_stateful(self.target) and not is_replayed(self.target)
         self.iterator: Any = None
         self.iter_stateful = False
 
