@@ -21,12 +21,8 @@ from ._backends.choice import WorkerFactory
 from ._backends.ray_config import RayWorkers
 from ._engine.orchestrator import END, PENDING, Orchestrator, release_pass_frames
 from ._engine.pinning import Transfer, make_transfer, torch_pin_plan
-from ._engine.resume import (
-    FORMAT,
-    PassProgress,
-    YieldedPositions,
-    parse_state,
-)
+from ._engine.resume import FORMAT, PassProgress, YieldedPositions
+from ._engine.samplers import use_stateful_shuffle
 from ._engine.setup import (
     check_extras,
     fit_state,
@@ -36,6 +32,7 @@ from ._engine.setup import (
     shard_index_sampler,
     torch_only_arguments,
 )
+from ._engine.state_format import parse_state
 from ._worker.datapipes import SharedSeeds
 from .stats import LoaderStats, PassStats, empty_stats
 
@@ -228,6 +225,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             persistent_workers=persistent_workers,
             **torch_only_arguments(pin_memory_device=pin_memory_device, in_order=in_order),
         )
+        if shuffle and sampler is None and batch_sampler is None:
+            # torch's samplers, with a state a framework can resume from (_engine.samplers).
+            use_stateful_shuffle(self, generator)
         # What the installed torch's DataLoader does not take, this one keeps itself.
         if not hasattr(self, "pin_memory_device"):
             self.pin_memory_device = pin_memory_device
@@ -396,6 +396,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         self._number_next_pass(progress.epoch)
         self._pending_resume = progress
         self._pending_in_progress = in_progress
+        # NOTE: kept workers have drawn from their RNGs since they started, so the resumed
+        # pass starts fresh ones, seeded as the state says (as StatefulDataLoader does); a
+        # pass still running on the kept ones is served out.
+        kept = self._workers.kept
+        if kept is not None:
+            kept.retire()
 
     def _pool_reusable(self) -> bool:
         """Whether the next pass runs on the live persistent workers (and so draws no seed)."""

@@ -31,11 +31,10 @@ objects return is kept as they return it.
 from __future__ import annotations
 
 import base64
-import binascii
 import copy
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -44,6 +43,7 @@ from torch.utils.data import BatchSampler, SequentialSampler
 from .._wire.messages import IndexRange, PassPlan, StreamState
 from .._worker.fetch import is_stateful
 from ..stats import SkippedSample
+from .samplers import is_replayed
 
 __all__ = [
     "FORMAT",
@@ -57,7 +57,6 @@ __all__ = [
     "live_point",
     "next_points",
     "numbered_batches",
-    "parse_state",
     "start_points",
 ]
 
@@ -172,20 +171,6 @@ class StreamPoint:
             "iter_is_dataset": self.iter_is_dataset,
         }
 
-    @classmethod
-    def from_dict(cls, data: Any, where: str) -> StreamPoint:
-        data = _mapping(data, where)
-        if "has_state" in data:  # format /1: the dataset's state, loaded before iter()
-            state = data.get("state") if _flag(data, "has_state", where) else None
-            return cls(_count(data, "samples_seen", where), state, _flag(data, "ended", where))
-        return cls(
-            samples_seen=_count(data, "samples_seen", where),
-            dataset_state=_field(data, "dataset_state", where),
-            ended=_flag(data, "ended", where),
-            iter_state=_field(data, "iter_state", where),
-            iter_is_dataset=_flag(data, "iter_is_dataset", where),
-        )
-
 
 # -- the sampler's state (torchdata's Stateful protocol) -----------------------------------------
 
@@ -216,7 +201,10 @@ class SamplerStack:
         self.fast = exact and _sequential(index_sampler)  # type: ignore[arg-type]
         self.batching = exact and not self.fast
         self.target: Any = index_sampler.sampler if self.batching else index_sampler  # type: ignore[attr-defined]
-        self.target_stateful = is_stateful(self.target)
+        # aioload's own RandomSampler (shuffle=True) has a state for frameworks that rebuild
+        # the loader; the engine replays it from the RNG states it records instead (see
+        # _engine.samplers), which also replays its draws from torch's global RNG.
+        self.target_stateful = is_stateful(self.target) and not is_replayed(self.target)
         self.iterator: Any = None
         self.iter_stateful = False
 
@@ -418,171 +406,6 @@ def encode_rng(state: Any) -> str:
     return base64.b64encode(bytes(state.numpy().tobytes())).decode("ascii")
 
 
-def decode_rng(value: Any, where: str) -> torch.Tensor:
-    """An RNG state as torch takes it, from base64 text (this format), a byte tensor (format
-    /1, or a state that went through torch.save) or a list of bytes."""
-    if isinstance(value, str):
-        try:
-            raw = base64.b64decode(value, validate=True)
-        except (binascii.Error, ValueError):
-            raise _corrupt(where, "is not base64 text") from None
-        state = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0)
-    elif isinstance(value, torch.Tensor):
-        state = value
-    elif isinstance(value, list) and all(type(b) is int and 0 <= b < 256 for b in value):
-        state = torch.tensor(value, dtype=torch.uint8)
-    else:
-        raise _corrupt(where, f"is a {type(value).__name__}, not an RNG state (base64 text)")
-    if state.dtype != torch.uint8 or state.dim() != 1:
-        raise _corrupt(where, "is not an RNG state (a 1-d byte tensor)")
-    try:
-        torch.Generator().set_state(state)
-    except RuntimeError as exc:
-        raise _corrupt(where, f"is not a torch RNG state ({exc})") from None
-    return state.clone()
-
-
-class ParsedState(NamedTuple):
-    progress: PassProgress
-    in_progress: bool
-    num_workers: int
-    shard_seed: int | None
-
-
-# Keys of torchdata's StatefulDataLoader state (single- and multi-process iterators).
-_TORCHDATA_KEYS = ("_snapshot", "_num_yielded", "_sampler_iter_state", "_iterator_finished")
-
-
-def parse_state(state: Any) -> ParsedState:
-    """A state from ``state_dict()`` (any format in ``FORMATS``), checked: a state this loader
-    cannot read raises a ValueError naming what is wrong, never resumes somewhere else."""
-    if not isinstance(state, Mapping):
-        raise ValueError(
-            "aioload: load_state_dict expects a state from aioload.DataLoader.state_dict() "
-            f"(a dict), but got a {type(state).__name__}"
-        )
-    found = state.get("format")
-    if found not in FORMATS:
-        if found is None and any(key in state for key in _TORCHDATA_KEYS):
-            raise ValueError(
-                "aioload: this is a state of torchdata's StatefulDataLoader; aioload.DataLoader "
-                "has a state format of its own and cannot continue a pass from it. Start the "
-                "epoch over (or finish it with StatefulDataLoader), then checkpoint with "
-                "aioload (see docs/migrating.md)"
-            )
-        if found is None:
-            raise ValueError(
-                "aioload: load_state_dict expects a state from aioload.DataLoader.state_dict(); "
-                "this one has no 'format' key"
-            )
-        raise ValueError(
-            f"aioload: unknown state format {found!r}; this aioload reads {', '.join(FORMATS)} "
-            "(a state from a newer aioload?)"
-        )
-    data = dict(state)
-    version_1 = found == FORMATS[0]
-    rng = _mapping(_field(data, "rng", "state"), "'rng'")
-    generators = _field(rng, "generators", "'rng'")
-    if not isinstance(generators, list):
-        raise _corrupt("'rng'/'generators'", "is not a list")
-    streams_data = _field(data, "streams", "state")
-    if not isinstance(streams_data, list) or not streams_data:
-        raise _corrupt("'streams'", "is not a non-empty list")
-    streams = [
-        StreamPoint.from_dict(point, f"'streams'[{index}]")
-        for index, point in enumerate(streams_data)
-    ]
-    prefix = _count(data, "yielded_prefix", "state")
-    extra_data = _field(data, "yielded_extra", "state")
-    if not isinstance(extra_data, list) or not all(
-        type(p) is int and p > prefix for p in extra_data
-    ):
-        raise _corrupt("'yielded_extra'", "is not a list of positions beyond 'yielded_prefix'")
-    sampler: SamplerPoint | None = None
-    sampler_data = None if version_1 else _field(data, "sampler", "state")
-    if sampler_data is not None:
-        sampler_data = _mapping(sampler_data, "'sampler'")
-        sampler = SamplerPoint(
-            _field(sampler_data, "state", "'sampler'"),
-            _field(sampler_data, "iter_state", "'sampler'"),
-        )
-    skipped_data = data.get("skipped", [])  # (absent from states saved before skipping existed)
-    if not isinstance(skipped_data, list):
-        raise _corrupt("'skipped'", "is not a list")
-    try:
-        skipped = [SkippedSample.from_dict(record) for record in skipped_data]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise _corrupt("'skipped'", f"has a malformed record ({exc!r})") from None
-    progress = PassProgress(
-        epoch=_count(data, "epoch", "state"),
-        rng={
-            "torch": decode_rng(_field(rng, "torch", "'rng'"), "'rng'/'torch'"),
-            "generators": [
-                decode_rng(value, f"'rng'/'generators'[{index}]")
-                for index, value in enumerate(generators)
-            ],
-        },
-        sample_seed=_optional_int(data, "sample_seed"),
-        iterable=_flag(data, "iterable", "state"),
-        num_streams=len(streams),
-        drew_base_seed=_flag(data, "drew_base_seed", "state"),
-        yielded=YieldedPositions(prefix, set(extra_data)),
-        streams=streams,
-        next_worker=_count(data, "next_worker", "state"),
-        skipped=skipped,
-        worker_seed=None if version_1 else _optional_int(data, "worker_seed"),
-        sampler=sampler,
-    )
-    in_progress = _flag(data, "in_progress", "state")
-    if version_1 and not in_progress:
-        # Format /1 kept nothing of the workers' datasets between passes.
-        progress.streams = [StreamPoint() for _ in streams]
-    return ParsedState(
-        progress,
-        in_progress,
-        _count(data, "num_workers", "state"),
-        _optional_int(data, "shard_seed"),
-    )
-
-
-def _corrupt(where: str, what: str) -> ValueError:
-    return ValueError(f"aioload: corrupt state: {where} {what}")
-
-
-def _field(data: Mapping[str, Any], key: str, where: str) -> Any:
-    try:
-        return data[key]
-    except KeyError:
-        raise ValueError(f"aioload: corrupt state: {where} has no {key!r} key") from None
-
-
-def _mapping(value: Any, where: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise _corrupt(where, f"is a {type(value).__name__}, not a dict")
-    return value
-
-
-def _count(data: Mapping[str, Any], key: str, where: str) -> int:
-    value = _field(data, key, where)
-    if type(value) is not int or value < 0:
-        raise _corrupt(f"{key!r}", f"is {value!r}, not a non-negative integer")
-    return value
-
-
-def _flag(data: Mapping[str, Any], key: str, where: str) -> bool:
-    value = _field(data, key, where)
-    if type(value) is not bool:
-        raise _corrupt(f"{key!r}", f"is {value!r}, not True or False")
-    return value
-
-
-def _optional_int(data: Mapping[str, Any], key: str) -> int | None:
-    value = data.get(key)
-    if value is not None and type(value) is not int:
-        raise _corrupt(f"{key!r}", f"is {value!r}, not an integer or None")
-    return value
-
-
 def generator_states(generators: list[torch.Generator]) -> list[torch.Tensor]:
     return [generator.get_state() for generator in generators]
 
@@ -672,6 +495,12 @@ def begin_pass(
         else {"torch": torch.get_rng_state(), "generators": generator_states(generators)}
     )
     callers_rng = torch.get_rng_state() if resumed else None
+    if replaying and not starts_workers and resume is not None and not len(resume.yielded):
+        # A pass checkpointed in the calling process before its first batch: its dataset
+        # had drawn nothing yet, and would have found the generators where the pass's own
+        # draws left them (torchdata's state holds them there, in the state of the iterator
+        # torch's single-process iterator makes at iter()). The resumed pass leaves them there.
+        callers_rng = None
     try:
         if resume is not None:
             torch.set_rng_state(snapshot["torch"])

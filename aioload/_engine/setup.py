@@ -31,16 +31,17 @@ from ..stats import PassStats, SkipCap
 from .orchestrator import Orchestrator, PassSetup, track_pass
 from .pinning import Transfer
 from .resume import (
-    ParsedState,
     PassProgress,
     SamplerStack,
     StreamPoint,
     begin_pass,
     check_generator_count,
     generator_states,
+    live_point,
     next_points,
     start_points,
 )
+from .state_format import ParsedState, check_fit
 from .tuning import PassTuning, auto_arguments
 
 __all__ = [
@@ -544,13 +545,26 @@ def pass_setup(loader: LoaderView, offload_inline: bool) -> tuple[PassSetup, Bac
     reuse_workers = loader._pool_reusable()
     if loader._tuner is not None:
         begin_tuned_pass(loader, resume, reuse_workers)
+    in_progress = resume is not None and loader._pending_in_progress
+    in_caller = loader.num_workers == 0
+    # NOTE [ The calling process's dataset and the process's generators ]
+    # With num_workers=0 the dataset draws from the same process-wide generators (torch's,
+    # random's, numpy's) as the pass itself (its base seed, its sampler's order), so the order
+    # of the two must be an uninterrupted run's: a state taken between passes held the
+    # dataset as it stood before the next pass drew, so it is loaded before this pass draws
+    # (and not again at the first fetch); and the dataset's state at the start of a pass is
+    # taken after the pass drew, where the first fetch finds it.
+    preloaded = resume is not None and not in_progress and in_caller
+    if preloaded:
+        assert resume is not None
+        load_in_caller(loader.dataset, resume.streams[0])
     points, load_points = start_points(
         loader.num_workers, loader.dataset, loader._latest_pass, resume, reuse_workers
     )
     start = begin_pass(
         epoch=epoch,
         resume=resume,
-        in_progress=resume is not None and loader._pending_in_progress,
+        in_progress=in_progress,
         reuse_workers=reuse_workers,
         index_sampler=loader._index_sampler,
         generators=loader._generators(),
@@ -568,6 +582,10 @@ def pass_setup(loader: LoaderView, offload_inline: bool) -> tuple[PassSetup, Bac
         load_points=load_points,
         worker_seed=loader._pool_seed if reuse_workers else None,
     )
+    if in_caller and not in_progress:
+        start.progress.streams = [live_point(loader.dataset)]
+        if preloaded:
+            start.plans[0] = start.plans[0]._replace(dataset_state=None)
     loader._sample_seed = start.sample_seed
     loader._latest_pass = start.progress
     if loader.num_workers > 0 and not reuse_workers:
@@ -608,6 +626,13 @@ def pass_setup(loader: LoaderView, offload_inline: bool) -> tuple[PassSetup, Bac
     return setup, backend
 
 
+def load_in_caller(dataset: Any, point: StreamPoint) -> None:
+    """Load the state a loaded checkpoint holds of the calling process's dataset (taken
+    between passes) now."""
+    if point.dataset_state is not None:
+        dataset.load_state_dict(point.dataset_state)
+
+
 def fit_state(loader: LoaderView, parsed: ParsedState) -> None:
     """Check that a loaded state fits ``loader`` (``load_state_dict``), now rather than when
     the next pass starts, which would drop it; a map-style dataset's streams are redealt to
@@ -615,12 +640,7 @@ def fit_state(loader: LoaderView, parsed: ParsedState) -> None:
     progress = parsed.progress
     in_progress = parsed.in_progress
     iterable = loader._dataset_kind == 1
-    if progress.iterable != iterable:
-        raise ValueError(
-            "aioload: the state was saved for a "
-            f"{'n iterable' if progress.iterable else ' map-style'} dataset, this loader has "
-            f"a{'n iterable' if iterable else ' map-style'} one"
-        )
+    check_fit(parsed, iterable=iterable, batches=pass_length(loader))
     streams = max(1, loader.num_workers)
     tuner = loader._tuner
     if iterable and in_progress and tuner is not None and tuner.per_pass_workers:
@@ -660,6 +680,14 @@ def fit_state(loader: LoaderView, parsed: ParsedState) -> None:
             )
     # Checked now: a mismatch found when the next pass starts would drop the state.
     check_generator_count(progress.rng["generators"], loader._generators())
+
+
+def pass_length(loader: LoaderView) -> int | None:
+    """How many batches a map-style pass has (None: the sampler has no length)."""
+    try:
+        return len(loader._index_sampler)
+    except (TypeError, NotImplementedError):
+        return None
 
 
 def next_pass_progress(loader: LoaderView) -> PassProgress:

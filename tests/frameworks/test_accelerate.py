@@ -23,7 +23,7 @@ def test_prepare_and_direct_use_see_every_index_once(tmp_path: Path) -> None:
     for report in reports:
         # What prepare() reads describes the whole dataset; len() is this rank's share.
         assert report["public_len_batch_sampler"] == N // BATCH
-        assert report["public_sampler"] == "torch.utils.data.sampler.RandomSampler"
+        assert report["public_sampler"] == "aioload._engine.samplers.RandomSampler"
         assert report["len_loader"] == N // BATCH // WORLD_SIZE
         # prepare() rebuilds the loader as its own torch DataLoader subclass: aioload's
         # engine is not in that path (docs/migrating.md says so).
