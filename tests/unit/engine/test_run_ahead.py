@@ -121,20 +121,27 @@ def test_a_lost_worker_during_the_run_ahead_repeats_and_loses_nothing() -> None:
 def test_the_limit_is_the_memory_bound() -> None:
     stats = PassStats(2, False, True)
     batch = torch.zeros(1000, dtype=torch.uint8)
-    ahead = RunAhead(stats, max_memory=None)
+
+    def ahead_of(max_memory: int | None) -> RunAhead:
+        return RunAhead(None, stats, 4, enabled=True, max_memory=max_memory)  # type: ignore[arg-type]
+
+    ahead = ahead_of(None)
+    ahead.resize(4)
     assert ahead.limit == 0, "no run-ahead before a batch's size is known"
-    ahead.survey(batch, yielded=1, capacity=4)
+    ahead.survey(batch, yielded=1)
     assert ahead.limit == min(runahead.RUN_AHEAD_WINDOWS * 4, runahead.RUN_AHEAD_BYTES // 1000)
     # With max_memory, what the budget leaves beside the window and two batches.
-    ahead = RunAhead(stats, max_memory=20_000)
-    ahead.survey(batch, yielded=1, capacity=4)
+    ahead = ahead_of(20_000)
+    ahead.survey(batch, yielded=1)
     assert ahead.limit == 20 - (4 + 2)
     assert stats.run_ahead_limit == 14 and stats.batch_bytes == 1000
-    ahead = RunAhead(stats, max_memory=5_000)
-    ahead.survey(batch, yielded=1, capacity=4)
+    ahead.resize(8)  # the controller doubled the window
+    assert ahead.limit == 20 - (8 + 2)
+    ahead = ahead_of(5_000)
+    ahead.survey(batch, yielded=1)
     assert ahead.limit == 0, "a budget the window fills leaves no run-ahead"
     # The largest batch seen sizes the bound.
-    ahead.survey(torch.zeros(10, dtype=torch.uint8), yielded=65, capacity=4)
+    ahead.survey(torch.zeros(10, dtype=torch.uint8), yielded=65)
     assert ahead.batch_bytes == 1000
 
 
