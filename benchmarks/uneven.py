@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from benchmarks._one import loader_stats
+
 ROOT = Path(__file__).resolve().parents[1]
 SIGMAS = (0.0, 0.5, 1.0)
 WORKERS = (2, 8, 14)
@@ -81,18 +83,6 @@ class WarmupSampler(Sampler[int]):
         return iter(range(self.warmup if self.passes == 1 else self.n))
 
 
-def _stats_of(loader: Any) -> dict[str, Any]:
-    stats = loader.stats()
-    busy = [w.busy_fraction for w in stats.workers]
-    found = {
-        "busy_share": sum(busy) / len(busy) if busy else None,
-        "waiting_in_order_mean": stats.waiting_in_order_mean,
-    }
-    for name in ("waiting_in_order_peak", "run_ahead_peak", "run_ahead_limit"):
-        found[name] = getattr(stats, name, None)  # (absent from an older aioload)
-    return found
-
-
 def run_one(loader: str, in_order: bool, workers: int, sigma: float, args: Any) -> dict[str, Any]:
     """One configuration, in this process: the second pass's time against the floor's."""
     n = args.per_worker * workers
@@ -120,7 +110,7 @@ def run_one(loader: str, in_order: bool, workers: int, sigma: float, args: Any) 
     seconds = time.perf_counter() - start
     result = {"seconds": seconds, "samples": seen, "floor_s": sum(times) / workers}
     if loader == "aioload":
-        result.update(_stats_of(dl))
+        result.update(loader_stats(dl))
         dl.shutdown()
     del dl
     assert seen == n, (seen, n)
@@ -128,7 +118,7 @@ def run_one(loader: str, in_order: bool, workers: int, sigma: float, args: Any) 
     return result
 
 
-def _child(config: dict[str, Any], args: Any) -> dict[str, Any]:
+def child(config: dict[str, Any], args: Any) -> dict[str, Any]:
     """Run ``config`` in a fresh process (aioload from ``--aioload-root`` if given)."""
     root = str(Path(args.aioload_root).resolve()) if args.aioload_root else str(ROOT)
     env = dict(os.environ)
@@ -137,8 +127,15 @@ def _child(config: dict[str, Any], args: Any) -> dict[str, Any]:
     cmd += ["--per-worker", str(args.per_worker), "--mean-ms", str(args.mean_ms)]
     cmd += ["--seed", str(args.seed)]
     try:
+        # (In ``root``: ``-m`` puts the working directory first on the path.)
         done = subprocess.run(
-            cmd, env=env, capture_output=True, text=True, timeout=args.timeout, check=False
+            cmd,
+            env=env,
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=args.timeout,
+            check=False,
         )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {args.timeout} s"}
@@ -167,7 +164,7 @@ def measure(args: Any) -> dict[str, Any]:
     runs: dict[tuple[Any, ...], list[dict[str, Any]]] = {_key(c): [] for c in configs}
     for round_ in range(args.rounds):
         for config in configs if round_ % 2 == 0 else configs[::-1]:
-            result = _child(config, args)
+            result = child(config, args)
             runs[_key(config)].append(result)
             share = result.get("share")
             note = f"{share:6.1%}" if share is not None else result.get("error", "?")
