@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint docs bench bench-sweep bench-auto bench-ray bench-gpu test-gpu soak unit test-compat clean
+.PHONY: install run test lint docs bench bench-sweep bench-auto bench-ray bench-gpu bench-cores test-gpu soak unit test-compat clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -61,6 +61,15 @@ bench: install
 	$(PY) -m compileall -q aioload
 	$(PY) -m benchmarks
 	$(PY) -m benchmarks.seeding --json docs/seeding.json
+	$(PY) -m benchmarks.uneven --json docs/benchmarks-uneven.json --docs docs/benchmarks.md
+
+# For a many-core machine (about 4 minutes on 16 cores): at 2, 4, 8 and 14 workers, the floor,
+# aioload and torch on tiny, image and uneven samples, with aioload's busy share and in-order
+# wait; writes docs/benchmarks-cores.json and its section of docs/benchmarks.md.
+# `$(PY) -m benchmarks.cores --quick --no-write` checks it on any machine.
+bench-cores: install
+	$(PY) -m compileall -q aioload
+	$(PY) -m benchmarks.cores
 
 # 2 Ray actors vs 2 local workers vs torch's DataLoader (cpu and image), inside a loopback-only
 # network namespace (it re-runs itself under `unshare -n`); rows into docs/benchmarks.md.

@@ -101,7 +101,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         pin_memory_device: Deprecated by torch and ignored, with torch's warning: pinning
             targets the current accelerator.
         in_order: `True` yields batches in sampler order; `False` as they complete, so a slow
-            sample does not hold back the others. No effect with `num_workers=0`.
+            sample does not hold back the others. No effect with `num_workers=0`. In order,
+            while a slow batch holds up the line, the other workers run ahead of it beyond
+            `prefetch_factor`, within a memory bound (`stats().run_ahead_limit`; see
+            docs/tuning.md, "Run-ahead").
         device: Where batches arrive: `None` (or `"cpu"`) leaves them in memory; `"cuda:N"`
             copies each batch to that GPU in a thread, pinned, `non_blocking` on a stream of its
             own that your current stream waits on (no host sync); another accelerator without

@@ -219,6 +219,16 @@ class LoaderStats:
     skipped: list[SkippedSample] = field(default_factory=list)
     skipped_count: int = 0
     tuning: dict[str, Any] | None = None
+    # In order: the most answers that waited for their turn at a hand-over, and their bytes at
+    # the largest batch size seen (an estimate: batches are sized now and then, not each).
+    waiting_in_order_peak: int = 0
+    reorder_bytes_peak: int = 0
+    # In order, while the head of the line is late, workers run ahead of it beyond the
+    # prefetch window (docs/tuning.md, "Run-ahead"): the most batches beyond the window the
+    # pass may send (0: none, as with in_order=False or before the first batch), and the most
+    # it did send at once.
+    run_ahead_limit: int = 0
+    run_ahead_peak: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data (numbers, None, lists and dicts) for loggers and ``json.dumps``."""
@@ -265,6 +275,11 @@ class PassStats:
         self.waiting_in_order = 0
         self._in_flight_sum = 0
         self._waiting_sum = 0
+        self.waiting_peak = 0
+        # Written by the orchestrator's run-ahead (``_engine.runahead``).
+        self.run_ahead_limit = 0
+        self.run_ahead_peak = 0
+        self.batch_bytes = 0
         self.pin_batches = 0
         self.pin_s = 0.0
         # Skipped samples, recorded when their batch is delivered. The loader makes this the
@@ -337,6 +352,8 @@ class PassStats:
         self.waiting_in_order = waiting
         self._in_flight_sum += in_flight
         self._waiting_sum += waiting
+        if waiting > self.waiting_peak:
+            self.waiting_peak = waiting
 
     # -- pin stage (its own thread) -----------------------------------------------------------
 
@@ -398,6 +415,10 @@ class PassStats:
             skipped=list(self.skipped),
             skipped_count=len(self.skipped),
             tuning=self.tuning.report() if self.tuning is not None else None,
+            waiting_in_order_peak=self.waiting_peak,
+            reorder_bytes_peak=self.waiting_peak * self.batch_bytes,
+            run_ahead_limit=self.run_ahead_limit,
+            run_ahead_peak=self.run_ahead_peak,
         )
 
 
@@ -412,6 +433,12 @@ def _percentile(sorted_times: list[float], pct: float) -> float | None:
         return None
     rank = math.ceil(pct / 100 * len(sorted_times))
     return sorted_times[max(0, rank - 1)]
+
+
+def _bytes(value: int) -> str:
+    if value < 1 << 20:
+        return f"{value / 1024:.0f} KiB"
+    return f"{value / (1 << 20):.1f} MiB"
 
 
 def _seconds(value: float | None) -> str:
@@ -460,8 +487,14 @@ def _table(stats: LoaderStats) -> str:
         f"  data-bound {pct}: waiting for data {stats.waiting_s:.2f} s, "
         f"between batches {stats.between_s:.2f} s",
         f"  queues: in flight {stats.in_flight} (mean {in_flight_mean}), "
-        f"waiting in order {stats.waiting_in_order} (mean {waiting_mean})",
+        f"waiting in order {stats.waiting_in_order} (mean {waiting_mean}, "
+        f"peak {stats.waiting_in_order_peak})",
     ]
+    if stats.run_ahead_peak:
+        lines.append(
+            f"  run-ahead: up to {stats.run_ahead_peak} batches beyond the prefetch window "
+            f"(limit {stats.run_ahead_limit}), reorder buffer peak ~{_bytes(stats.reorder_bytes_peak)}"
+        )
     if stats.pin_batches:
         lines.append(
             f"  pin/H2D: {stats.pin_batches} batches, {stats.pin_s:.2f} s "

@@ -130,6 +130,8 @@ class Meter:
     workers_cpu_first: float = -1.0
     workers_cpu_last: float = -1.0
     lags: list[float] = field(default_factory=list)
+    # aioload's own view of the run (loader.stats()), read before the loader goes.
+    loader_stats: dict[str, Any] = field(default_factory=dict)
 
     def on_batch(self, batch: object) -> None:
         now = time.perf_counter()
@@ -222,6 +224,7 @@ def run_sync(cfg: RunConfig, dataset: object) -> Meter:
         if m.epochs >= cfg.max_epochs or not m.need_more(cfg.min_seconds):
             break
     m.steady_state_over()
+    m.loader_stats = loader_stats(loader)
     del loader
     m.t_done = time.perf_counter()
     return m
@@ -265,11 +268,30 @@ async def run_async(cfg: RunConfig, dataset: object) -> Meter:
         if m.epochs >= cfg.max_epochs or not m.need_more(cfg.min_seconds):
             break
     m.steady_state_over()
+    m.loader_stats = loader_stats(loader)
     del loader, source
     m.t_done = time.perf_counter()
     stop.set()
     await hb
     return m
+
+
+def loader_stats(loader: Any) -> dict[str, Any]:
+    """What aioload's ``loader.stats()`` says of the pass (empty for other loaders): the
+    workers' mean busy share and the answers waiting in order (mean, peak), and the run-ahead."""
+    stats_of = getattr(loader, "stats", None)
+    if not callable(stats_of):
+        return {}
+    stats = stats_of()
+    busy = [w.busy_fraction for w in stats.workers]
+    found: dict[str, Any] = {
+        "busy_share": sum(busy) / len(busy) if busy else None,
+        "waiting_in_order_mean": stats.waiting_in_order_mean,
+        "data_bound_pct": stats.data_bound_pct,
+    }
+    for name in ("waiting_in_order_peak", "run_ahead_peak", "run_ahead_limit"):
+        found[name] = getattr(stats, name, None)
+    return found
 
 
 def _new_uvloop() -> asyncio.AbstractEventLoop:
@@ -330,6 +352,7 @@ def measure(cfg: RunConfig) -> dict[str, Any]:
         "cpu_sys_s": ru_self.ru_stime + ru_children.ru_stime,
         "loop_lag_max_ms": lags[-1] * 1e3 if lags else None,
         "loop_lag_p99_ms": lags[int(0.99 * (len(lags) - 1))] * 1e3 if lags else None,
+        "loader_stats": m.loader_stats,
     }
 
 

@@ -923,8 +923,17 @@ RAY_BEGIN, RAY_END = "<!-- ray-bench:start -->", "<!-- ray-bench:end -->"
 # The many-core model (its inputs and predictions, written by hand from
 # ``python -m benchmarks.auto --model``): not a run's figures, so a run keeps it as it is.
 MODEL_BEGIN, MODEL_END = "<!-- model:start -->", "<!-- model:end -->"
+# Uneven samples (``python -m benchmarks.uneven``, run by ``make bench`` after this page is
+# written) and many cores (``make bench-cores``): sections of their own.
+UNEVEN_BEGIN, UNEVEN_END = "<!-- uneven:start", "<!-- uneven:end -->"
+CORES_BEGIN, CORES_END = "<!-- cores:start", "<!-- cores:end -->"
 # Sections a run of ``make bench`` keeps from the page it replaces, appended in this order.
-KEPT_SECTIONS = ((MODEL_BEGIN, MODEL_END), (RAY_BEGIN, RAY_END))
+KEPT_SECTIONS = (
+    (UNEVEN_BEGIN, UNEVEN_END),
+    (MODEL_BEGIN, MODEL_END),
+    (CORES_BEGIN, CORES_END),
+    (RAY_BEGIN, RAY_END),
+)
 
 
 def keep_section(old: str, text: str, begin: str, end: str) -> str:

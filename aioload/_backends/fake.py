@@ -72,8 +72,10 @@ class FakeBackend:
     """A scripted ``WorkerBackend``. ``delay(task_id) -> seconds`` (HANG: never answers);
     ``lose_on``: task ids whose first delivery kills the worker that gets it;
     ``fail``: task ids answered with a worker error; ``ends``: worker -> task id from which
-    that worker's IterableDataset stream answers StreamEnded. Set ``clock`` to a
-    ``VirtualClock`` to count the delays on it instead of on the machine's clock.
+    that worker's IterableDataset stream answers StreamEnded. ``serial``: a worker works on
+    one task at a time, in the order it was handed them, as a real one does (a task's delay
+    then starts when the worker's previous task is answered, not when it is sent). Set
+    ``clock`` to a ``VirtualClock`` to count the delays on it instead of on the machine's clock.
 
     With ``spec`` (the loader's), each slot runs the loader's dataset and collate through its
     own ``WorkerStep``, seeded from ``base_seed`` as a pool's worker is; without, a task is
@@ -92,9 +94,12 @@ class FakeBackend:
         *,
         spec: WorkerSpec | None = None,
         base_seed: int = 0,
+        serial: bool = False,
     ) -> None:
         self.num_workers = num_workers
         self.clock: VirtualClock | None = None
+        # serial: when each worker's last task is answered (and it is free for the next).
+        self.free_at: list[float] | None = [0.0] * num_workers if serial else None
         self.retired = False
         self.closed = False
         self.delay = delay
@@ -152,7 +157,12 @@ class FakeBackend:
             self.results[(worker_id, task_id)] = self.slots[worker_id].run(
                 Task(task_id, self.generation, indices), self
             )
-        self.pending.append((self.now() + self.delay(task_id), worker_id, task_id, indices))
+        ready = self.now() + self.delay(task_id)
+        if self.free_at is not None:
+            # After the worker's previous task: its delay starts when that one is answered.
+            ready += max(0.0, self.free_at[worker_id] - self.now())
+            self.free_at[worker_id] = ready
+        self.pending.append((ready, worker_id, task_id, indices))
         self.max_outstanding = max(self.max_outstanding, len(self.pending))
 
     def now(self) -> float:
@@ -344,12 +354,15 @@ class FakeWorkers:
         fail: set[int] | None = None,
         ends: dict[int, int] | None = None,
         clock: VirtualClock | None = None,
+        *,
+        serial: bool = False,
     ) -> None:
         self.delay = delay
         self.lose_on = set(lose_on or ())
         self.fail = set(fail or ())
         self.ends = dict(ends or {})
         self.clock = clock
+        self.serial = serial
         self.made: list[FakeBackend] = []
 
     def make_backend(self, spec: WorkerSpec, base_seed: int) -> WorkerBackend:
@@ -361,6 +374,7 @@ class FakeWorkers:
             self.ends,
             spec=spec,
             base_seed=base_seed,
+            serial=self.serial,
         )
         backend.clock = self.clock
         self.made.append(backend)

@@ -84,6 +84,9 @@ class Ledger:
         # Tasks between "sent" and "yielded or skipped", the quantity prefetch bounds.
         self.unyielded = 0
         self.per_worker = [0] * num_workers
+        # Tasks each worker holds unanswered (its queue, as far as the engine knows): what the
+        # run-ahead tops up while the head of the line is late (Orchestrator._run_ahead).
+        self.unanswered = [0] * num_workers
         # A resumed IterableDataset pass: streams that had run dry stay so.
         self.active = [not progress.streams[w].ended for w in range(num_workers)]
         # Samples each IterableDataset stream had drawn by its last answer.
@@ -116,6 +119,11 @@ class Ledger:
             return self.rcvd_idx not in self._reorder_buffer
         return not self._completed
 
+    def head_late(self) -> bool:
+        """In order: whether the next task to yield is still unanswered (a consumer waiting
+        now waits for it)."""
+        return self.rcvd_idx in self.inflight
+
     def held_by(self, worker_id: int) -> list[int]:
         """The unanswered tasks of ``worker_id``, oldest first."""
         return sorted(t for t, sent in self.inflight.items() if sent.worker_id == worker_id)
@@ -145,6 +153,7 @@ class Ledger:
         self._send_idx += 1
         self.inflight[task_id] = self._assigned[task_id] = Sent(worker_id, indices, position)
         self.per_worker[worker_id] += 1
+        self.unanswered[worker_id] += 1
         self.unyielded += 1
         return task_id
 
@@ -155,6 +164,7 @@ class Ledger:
         sent = self.inflight.pop(task_id, None)
         if sent is None:
             return
+        self.unanswered[sent.worker_id] -= 1
         if answer.busy_s is not None:
             self._stats.fetched(worker_id, answer.busy_s)
         samples = self._stats.count(sent.indices)

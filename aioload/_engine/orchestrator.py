@@ -49,6 +49,7 @@ from ..stats import PassStats, SkipCap
 from .ledger import Ledger
 from .pinning import PinStage, Transfer
 from .resume import PassProgress
+from .runahead import RunAhead
 from .tuning import PassTuning
 
 __all__ = ["END", "PENDING", "Orchestrator", "PassSetup", "release_pass_frames", "track_pass"]
@@ -162,6 +163,8 @@ class Orchestrator:
             skip_cap=setup.skip_cap,
             over_cap=weakref.WeakMethod(self._over_cap),
         )
+        # In order: how far workers may run ahead of a late head (NOTE [run-ahead]).
+        self._ahead = _run_ahead(setup, self._ledger, self.stats, self._capacity)
         self._sampler_done = False
         self._num_yielded = len(progress.yielded)
         self._fatal: BaseException | None = None
@@ -230,6 +233,8 @@ class Orchestrator:
             self._finished = True
             self.progress.finished = True
             return END
+        if self._ahead.limit and not self._sampler_done:
+            self._ahead.top_up(self._slots, self._dispatch)
         return PENDING
 
     async def next(self) -> Any:
@@ -338,7 +343,7 @@ class Orchestrator:
         try:
             if waitable.work is not None:
                 await waitable.work.work()
-            elif (timeout := min(waitable.budget, left)) > 0:
+            elif (timeout := min(waitable.budget, left, self._ahead.sleep_bound())) > 0:
                 await self._waiter.wait(waitable.descriptor, timeout)
                 return waitable.descriptor is not None or timeout != math.inf
         finally:
@@ -356,7 +361,7 @@ class Orchestrator:
         try:
             if waitable.work is not None:
                 return waitable.work.work_blocking()
-            if (timeout := min(waitable.budget, left)) > 0:
+            if (timeout := min(waitable.budget, left, self._ahead.sleep_bound())) > 0:
                 self._waiter.wait_blocking(waitable.descriptor, timeout)
         finally:
             self._busy = False
@@ -425,6 +430,7 @@ class Orchestrator:
                 self._backend.activate(slots)
             self._named = not self._setup.traits.runs_ahead
         self._capacity = tuning.depth * slots
+        self._ahead.resize(self._capacity, slots)
         concurrency = tuning.concurrency
         if concurrency is not None and concurrency != self._concurrency:
             self._concurrency = concurrency
@@ -433,24 +439,13 @@ class Orchestrator:
 
     # -- dispatch ----------------------------------------------------------------------------
 
-    def _pick_worker(self) -> int | None:
-        # torch's rule: the next active worker in the cycle; with in_order=False also one that
-        # holds fewer than its share of the prefetch budget.
-        # (Among the first ``_slots`` workers: num_workers="auto" may use fewer than it has.)
-        slots, ledger, in_order = self._slots, self._ledger, self._in_order
-        active = 0 if in_order else sum(ledger.active[:slots])
-        for _ in range(slots):
-            worker_id = ledger.next_worker if ledger.next_worker < slots else 0
-            ledger.next_worker = (worker_id + 1) % slots
-            if ledger.active[worker_id] and (
-                in_order or ledger.per_worker[worker_id] < self._capacity // active
-            ):
-                return worker_id
-        return None
-
-    def _dispatch(self) -> None:
-        while not self._sampler_done and self._ledger.unyielded < self._capacity:
-            worker_id = self._pick_worker()
+    def _dispatch(self, more: Callable[[], bool] | None = None) -> None:
+        # The window (or, running ahead, ``more``: NOTE [run-ahead] in _engine/runahead.py).
+        ledger = self._ledger
+        while not self._sampler_done and (
+            ledger.unyielded < self._capacity if more is None else more()
+        ):
+            worker_id = _pick_worker(ledger, self._slots, self._in_order, self._capacity)
             if worker_id is None:
                 return
             try:
@@ -505,6 +500,8 @@ class Orchestrator:
         value = outcome.value
         self._num_yielded += 1
         self.stats.yielded(value, samples, in_flight=len(ledger.inflight), waiting=ledger.waiting())
+        if self._num_yielded >= self._ahead.next_survey:
+            self._ahead.survey(value, self._num_yielded)
         # torch refills the prefetch window as it hands a batch over (``_process_data`` calls
         # ``_try_put_index``), not at the next request. Doing the same keeps the number of
         # tasks sent after k batches at prefetch + k, and with it which sampler draws happen
@@ -643,6 +640,47 @@ def _disown_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_disown_after_fork)
+
+
+def _pick_worker(ledger: Ledger, slots: int, in_order: bool, capacity: int) -> int | None:
+    """The worker the next task goes to, by torch's rule: the next active worker in the cycle;
+    with in_order=False also one that holds fewer than its share of the prefetch budget.
+    (Among the first ``slots`` workers: num_workers="auto" may use fewer than it has.)"""
+    active = 0 if in_order else sum(ledger.active[:slots])
+    for _ in range(slots):
+        worker_id = ledger.next_worker if ledger.next_worker < slots else 0
+        ledger.next_worker = (worker_id + 1) % slots
+        if ledger.active[worker_id] and (
+            in_order or ledger.per_worker[worker_id] < capacity // active
+        ):
+            return worker_id
+    return None
+
+
+def _run_ahead(setup: PassSetup, ledger: Ledger, stats: PassStats, capacity: int) -> RunAhead:
+    """The pass's run-ahead (``_engine/runahead.py``): in order, with workers that run ahead
+    of the consumer; its first survey after the pass's first window of batches.
+
+    NOTE [run-ahead]: in order, the window (prefetch_factor * num_workers tasks between
+    "sent" and "yielded") is torch's, and while the head of the line arrives in time it is
+    all there is. When the head is late, the answers behind it fill the window and the other
+    workers would sit idle; instead each worker's own queue is kept at its depth
+    (prefetch_factor unanswered tasks, torch's per-worker meaning of the window), up to
+    ``RunAhead.limit`` batches beyond the window. The tasks still go round robin (the worker
+    holding the late head gets its share, queued behind it), so every batch is fetched by the
+    worker torch would give it; they are delivered in order, and a checkpoint records only
+    what was yielded, so the tasks ahead are fetched again on resume."""
+    tuning = setup.tuning
+    ahead = RunAhead(
+        ledger,
+        stats,
+        capacity,
+        enabled=setup.in_order and setup.traits.runs_ahead,
+        max_memory=tuning.controller.max_memory if tuning is not None else None,
+        first_survey=len(setup.progress.yielded) + capacity,
+    )
+    ahead.resize(capacity, setup.num_workers)
+    return ahead
 
 
 @types.coroutine

@@ -84,7 +84,12 @@ def test_tasks_sent_ahead(
     DEVIATION (lazy-start): torch starts its workers and sends the first
     prefetch_factor*num_workers tasks in iter(); aioload starts them at the first next() (or
     __anext__, where the start runs in a thread so that the loop stays free). Nothing is
-    fetched between iter() and the first next()."""
+    fetched between iter() and the first next().
+
+    DEVIATION (run-ahead): later in a pass, in order, while the head of the line is late,
+    aioload's workers run ahead of it beyond this window, within a bound
+    (``_engine/runahead.py``, docs/tuning.md); not during the pass's first window of batches,
+    which is what this test sees."""
     workers = 2
 
     def scenario(cls: type[Any], expected: list[int] | None = None) -> list[int]:

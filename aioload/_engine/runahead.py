@@ -1,0 +1,177 @@
+"""In order, without waiting in line: how far workers may run ahead of a late batch.
+
+In order, torch keeps ``prefetch_factor * num_workers`` tasks between "sent" and "yielded",
+and sends the next one only when a batch is handed over. When one batch is slow (a large
+image, a remote read, a retry), the batches after it finish and wait for their turn in the
+reorder buffer; once they fill the window, every other worker sits idle until the slow one
+arrives. With uneven sample times that halves what the workers could deliver.
+
+So, while the head of the line is late, the orchestrator keeps each worker's own queue at
+``prefetch_factor`` unanswered tasks (torch's depth per worker), even though the answers
+behind the head take the window's room: the workers *run ahead* (``RunAhead.top_up``, called
+by the orchestrator's step when nothing is ready).
+The tasks still go round robin, to the worker torch would give them, so which worker fetches
+which batch (and with it a dataset's per-worker randomness) is torch's; only how far ahead
+they are sent changes. The consumer still gets every batch in order, exactly once.
+
+What it may cost is bounded: at most ``limit`` batches beyond the window, where ``limit`` is
+the smaller of ``RUN_AHEAD_WINDOWS`` windows and what fits in ``RUN_AHEAD_BYTES`` (or, with
+``max_memory``, in what the budget leaves beside the window: ``(window + 2)`` batches are
+already the controller's, see ``_engine.tuning``), at the largest batch size seen. The first survey of that size comes once a window of
+batches has been handed over; until then the limit is 0. A pass's first batches are late
+because its workers are starting, not because samples are uneven, and it starts with torch's
+window exactly: ``prefetch_factor * num_workers`` tasks, then one more per batch.
+
+A late head is noticed only when the engine wakes: in order it sleeps until the head's
+worker answers (``Ledger.awaited``), so while answers wait behind a late head and the workers
+could run further, its sleep is cut to ``tick`` (with three workers or more), half the mean time a task takes (within
+``TICK_MIN_S`` and ``TICK_MAX_S``): about two wake-ups per task time while the head is late,
+none while it is not.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .tuning import batch_bytes
+
+if TYPE_CHECKING:
+    from ..stats import PassStats
+    from .ledger import Ledger
+
+__all__ = ["RUN_AHEAD_BYTES", "RUN_AHEAD_WINDOWS", "RunAhead"]
+
+# The most a pass runs ahead of a late head, beyond its window: this many windows of
+# prefetch_factor x num_workers batches ...
+RUN_AHEAD_WINDOWS = 16
+# ... and no more bytes of batches than this (without max_memory).
+RUN_AHEAD_BYTES = 256 << 20
+# How often (in batches handed over) the batch size and the mean task time are read again.
+SURVEY_EVERY = 64
+# The engine's sleep while the workers could run ahead, cut to the mean task time within these.
+TICK_MIN_S = 0.001
+TICK_MAX_S = 0.100
+# ... at this share of it: a worker with a short queue finishes its tasks in less.
+TICK_SHARE = 0.5
+
+
+class RunAhead:
+    """One pass's run-ahead: its bound (``limit``, batches beyond the window), the sleep that
+    lets the engine notice idle workers (``tick``), and the top-up itself. ``enabled``: in
+    order, with workers that run ahead (else it never does anything). ``max_memory``: the
+    loader's budget, if any (with ``"auto"``). The first survey (and with it any run-ahead)
+    comes after ``first_survey`` batches handed over."""
+
+    __slots__ = (
+        "_ledger",
+        "_max_memory",
+        "_stats",
+        "_surveyed",
+        "_ticks",
+        "batch_bytes",
+        "capacity",
+        "limit",
+        "next_survey",
+        "tick",
+    )
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        stats: PassStats,
+        capacity: int,
+        *,
+        enabled: bool,
+        max_memory: int | None = None,
+        first_survey: int = 1,
+    ) -> None:
+        self._ledger = ledger
+        self._stats = stats
+        self._max_memory = max_memory
+        self.capacity = capacity
+        self.limit = 0
+        self.tick = TICK_MAX_S
+        self.batch_bytes = 0
+        self._surveyed = False
+        # Whether the engine's sleep is cut to ``tick`` while workers run ahead (3 workers or
+        # more, see resize).
+        self._ticks = False
+        # The number of batches handed over at which to survey (again); never, disabled.
+        self.next_survey: float = first_survey if enabled else math.inf
+
+    def survey(self, batch: Any, yielded: int) -> None:
+        """A batch handed over (``yielded`` so far): read its size and the workers' mean task
+        time, and set the limit."""
+        self.next_survey = yielded + SURVEY_EVERY
+        self._surveyed = True
+        self.batch_bytes = max(self.batch_bytes, batch_bytes(batch))
+        tasks = busy = 0.0
+        for counter in self._stats.workers:
+            tasks += counter.tasks
+            busy += counter.busy_s
+        if tasks:
+            self.tick = min(TICK_MAX_S, max(TICK_MIN_S, TICK_SHARE * busy / tasks))
+        self.resize(self.capacity)
+
+    def resize(self, capacity: int, slots: int | None = None) -> None:
+        """The limit for a window of ``capacity`` tasks over ``slots`` workers (the controller
+        may change both)."""
+        self.capacity = capacity
+        if slots is not None:
+            # NOTE: with two workers, the wait stays on the head's worker alone. That is the
+            # small machine's case, where each wake-up takes a core from the workers (see
+            # Ledger.awaited); and where one of two workers is slower for good (a core it
+            # shares), running ahead of it gains nothing, and a tick would wake the consumer
+            # several times for each of its batches. The other worker is still topped up
+            # whenever the consumer wakes.
+            self._ticks = slots > 2
+        if not self._surveyed:
+            return
+        # (A batch with no tensors or arrays counts as a byte.)
+        size = max(1, self.batch_bytes)
+        if self._max_memory is not None:
+            fits = self._max_memory // size - (capacity + 2)
+        else:
+            fits = RUN_AHEAD_BYTES // size
+        self.limit = max(0, min(RUN_AHEAD_WINDOWS * capacity, fits))
+        stats = self._stats
+        stats.run_ahead_limit = self.limit
+        stats.batch_bytes = self.batch_bytes
+
+    def top_up(self, slots: int, dispatch: Callable[[Callable[[], bool]], None]) -> None:
+        """Nothing is ready: if the head of the line is late, keep every worker's queue (of
+        the first ``slots``) at its depth, within the limit, sending through ``dispatch``
+        (the orchestrator's, which sends while the predicate it is given holds)."""
+        ledger, capacity = self._ledger, self.capacity
+        bound = capacity + self.limit
+        if ledger.unyielded >= bound or not ledger.head_late():
+            return
+        depth = max(1, capacity // slots)
+        unanswered, active = ledger.unanswered, ledger.active
+
+        def more() -> bool:
+            return ledger.unyielded < bound and any(
+                unanswered[w] < depth and active[w] for w in range(slots)
+            )
+
+        dispatch(more)
+        beyond = ledger.unyielded - capacity
+        if beyond > self._stats.run_ahead_peak:
+            self._stats.run_ahead_peak = beyond
+
+    def sleep_bound(self) -> float:
+        """The longest the engine may sleep: while workers are ahead of a late head (their
+        answers wait behind it) and could run further, ``tick``, so that it notices those that
+        run dry; else no bound (and none with fewer than three workers)."""
+        ledger = self._ledger
+        if (
+            not self.limit
+            or not self._ticks
+            or ledger.unyielded >= self.capacity + self.limit
+            or not ledger.answered_waiting()
+            or not ledger.head_late()
+        ):
+            return math.inf
+        return self.tick

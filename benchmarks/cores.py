@@ -1,0 +1,222 @@
+"""Many cores, one command (``make bench-cores``): at 2, 4, 8 and 14 workers, the floor,
+aioload and torch on ``tiny``, ``image`` and the uneven workload (``benchmarks.uneven``), with
+aioload's own view of each run from ``loader.stats()``: the workers' busy share and the
+answers waiting in order.
+
+Each run is a fresh process (``benchmarks._one``, as ``make bench`` runs them; the uneven
+workload's from ``benchmarks.uneven``), one round, the loaders alternating per worker count.
+Made for a 16-core machine, where it takes about 4 minutes; it writes
+``docs/benchmarks-cores.json`` and the "Many cores, measured" section of docs/benchmarks.md.
+
+    python -m benchmarks.cores                      # the full run
+    python -m benchmarks.cores --quick --no-write   # a smoke run on any machine (about a minute)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import startup, uneven
+from benchmarks.runner import run_child
+from benchmarks.workloads import WORKLOADS
+
+WORKERS = (2, 4, 8, 14)
+WORKLOADS_MEASURED = ("tiny", "image")
+LOADERS = ("floor", "aioload", "torch")
+BEGIN, END = "<!-- cores:start (make bench-cores writes this section) -->", "<!-- cores:end -->"
+
+
+def _one(loader: str, workload: str, workers: int, args: Any) -> dict[str, Any]:
+    spec = WORKLOADS[workload]
+    child = [
+        "--loader",
+        loader,
+        "--mode",
+        "sync",
+        "--workload",
+        workload,
+        "--size",
+        str(max(spec.batch_size * 8, int(spec.default_size * args.scale))),
+        "--batch-size",
+        str(spec.batch_size),
+        "--num-workers",
+        str(workers),
+        "--min-seconds",
+        repr(args.min_seconds),
+    ]
+    outcome = run_child(child, timeout_s=args.timeout, env=startup.child_env())
+    if not outcome.ok:
+        return {"error": outcome.error}
+    result = outcome.result
+    return {
+        "items_per_s": result["items_per_s"],
+        "parent_cpu_per_batch_s": result.get("parent_cpu_per_batch_s"),
+        **(result.get("loader_stats") or {}),
+    }
+
+
+def _uneven(loader: str, workers: int, args: Any) -> dict[str, Any]:
+    config = {"loader": loader, "in_order": True, "workers": workers, "sigma": args.sigma}
+    return uneven.child(config, args)
+
+
+def measure(args: Any) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    started = time.monotonic()
+    for workers in args.workers:
+        for workload in args.workloads:
+            for loader in LOADERS if workers % 2 == 0 else LOADERS[::-1]:
+                result = _one(loader, workload, workers, args)
+                rows.append({"workload": workload, "workers": workers, "loader": loader, **result})
+                _print(rows[-1])
+        for loader in ("aioload", "torch"):
+            result = _uneven(loader, workers, args)
+            name = f"uneven (sigma={args.sigma:g})"
+            rows.append({"workload": name, "workers": workers, "loader": loader, **result})
+            _print(rows[-1])
+    return {
+        "command": " ".join(["python -m benchmarks.cores", *args.argv]),
+        "cores": os.cpu_count(),
+        "seconds": time.monotonic() - started,
+        "quick": args.quick,
+        "rows": rows,
+    }
+
+
+def _print(row: dict[str, Any]) -> None:
+    what = row.get("error") or (
+        f"{row['share']:.0%} of the floor"
+        if "share" in row
+        else f"{row['items_per_s']:,.0f} items/s"
+    )
+    busy = row.get("busy_share")
+    extra = "" if busy is None else f", busy {busy:.0%}, waiting {row['waiting_in_order_mean']:.1f}"
+    print(f"{row['workers']:>3} workers {row['workload']:<20} {row['loader']:<8} {what}{extra}")
+    sys.stdout.flush()
+
+
+def shares(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One line per (workload, workers): each loader as a share of the floor."""
+    found: dict[tuple[str, int], dict[str, Any]] = {}
+    for row in result["rows"]:
+        found.setdefault((row["workload"], row["workers"]), {})[row["loader"]] = row
+    lines = []
+    for (workload, workers), by in found.items():
+        floor = by.get("floor", {}).get("items_per_s")
+        line: dict[str, Any] = {"workload": workload, "workers": workers, "floor": floor}
+        for loader in ("aioload", "torch"):
+            row = by.get(loader, {})
+            if "share" in row:
+                line[loader] = row["share"]
+            elif floor and row.get("items_per_s"):
+                line[loader] = row["items_per_s"] / floor
+        aio = by.get("aioload", {})
+        line["busy_share"] = aio.get("busy_share")
+        line["waiting_in_order_mean"] = aio.get("waiting_in_order_mean")
+        lines.append(line)
+    return lines
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def table(result: dict[str, Any]) -> str:
+    out = [
+        "| workload | workers | floor (items/s) | aioload | torch | aioload's workers busy "
+        "| waiting in order (mean) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for line in shares(result):
+        floor = (
+            "num_workers / mean sample time" if line["floor"] is None else f"{line['floor']:,.0f}"
+        )
+        wait = line["waiting_in_order_mean"]
+        out.append(
+            f"| {line['workload']} | {line['workers']} | {floor} | {_pct(line.get('aioload'))} "
+            f"| {_pct(line.get('torch'))} | {_pct(line['busy_share'])} "
+            f"| {'-' if wait is None else f'{wait:.1f}'} |"
+        )
+    return "\n".join(out)
+
+
+def section(result: dict[str, Any]) -> str:
+    return "\n".join(
+        [
+            BEGIN,
+            "## Many cores, measured (`make bench-cores`)",
+            "",
+            f"On {result['cores']} cores, one round, each run a fresh process, in "
+            f"{result['seconds'] / 60:.1f} minutes: aioload and torch as a share of each "
+            "workload's floor (for tiny and image, `num_workers` processes that only make and "
+            "stack the samples; for the uneven workload, the samples' total sleep over "
+            "`num_workers`), with aioload's workers' busy share and the answers waiting in "
+            "order from `loader.stats()`.",
+            "",
+            table(result),
+            "",
+            f"Command: `{result['command']}`.",
+            END,
+        ]
+    )
+
+
+def write_docs(path: Path, result: dict[str, Any]) -> None:
+    text = path.read_text() if path.exists() else ""
+    block = section(result)
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
+def parse_args(argv: list[str]) -> Any:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cores", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="2 and 4 workers, short runs")
+    p.add_argument("--workers", default=",".join(map(str, WORKERS)))
+    p.add_argument("--workloads", default=",".join(WORKLOADS_MEASURED))
+    p.add_argument("--scale", type=float, default=0.25, help="dataset sizes (x each default)")
+    p.add_argument("--min-seconds", type=float, default=1.5, help="steady state per run")
+    p.add_argument("--sigma", type=float, default=1.0, help="the uneven workload's spread")
+    p.add_argument("--per-worker", type=int, default=150, help="uneven samples per worker")
+    p.add_argument("--mean-ms", type=float, default=10.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per run")
+    p.add_argument("--json", type=Path, default=Path("docs/benchmarks-cores.json"))
+    p.add_argument("--docs", type=Path, default=Path("docs/benchmarks.md"))
+    p.add_argument("--no-write", action="store_true", help="print only")
+    args = p.parse_args(argv)
+    args.argv = argv
+    args.aioload_root = None
+    if args.quick:
+        args.scale, args.min_seconds, args.per_worker = 0.02, 0.3, 20
+        if "--workers" not in argv:
+            args.workers = "2,4"
+    args.workers = [int(w) for w in str(args.workers).split(",")]
+    args.workloads = str(args.workloads).split(",")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    result = measure(args)
+    print()
+    print(table(result))
+    print(f"\n{result['seconds']:.0f} s on {result['cores']} cores")
+    if not args.no_write:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        write_docs(args.docs, result)
+    return 1 if any("error" in row for row in result["rows"]) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,186 @@
+"""In order, workers run ahead of a late head of the line (``_engine/runahead.py``, NOTE
+[run-ahead] in the orchestrator): over the fake backend with serial workers (a worker works on
+one task at a time, as a real one does), so a slow task holds up its worker's queue behind it.
+
+Order, exactly-once and torch's round robin hold whatever the run-ahead does; it stays within
+its limit, stats() report it, and a checkpoint taken while batches wait ahead of a late head
+resumes exactly.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+import aioload
+from aioload._backends.fake import FakeBackend, FakeWorkers
+from aioload._engine import runahead
+from aioload._engine.runahead import RunAhead
+from aioload.stats import PassStats
+
+from .test_engine import _drain, _engine, front  # noqa: F401 (front: both doors, autouse)
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+WORKERS, PREFETCH = 4, 2
+WINDOW = WORKERS * PREFETCH
+SLOW = 9  # the late head: a task after the first batch, whose size starts the run-ahead
+BATCHES = [[i] for i in range(160)]
+
+
+class _Recording(FakeBackend):
+    """Serial workers; records, at each task sent, how many tasks were between sent and
+    yielded, and which tasks had been answered when the slow one was."""
+
+    def __init__(self, delay: Any) -> None:
+        super().__init__(WORKERS, delay=delay, serial=True)
+        self.engine: Any = None
+        self.unyielded: list[int] = []
+
+    def submit(self, worker_id: int, task_id: int, indices: Any) -> None:
+        self.unyielded.append(self.engine._ledger.unyielded)
+        super().submit(worker_id, task_id, indices)
+
+
+def _late_head(task_id: int) -> float:
+    return 0.4 if task_id == SLOW else 0.001
+
+
+def _run(delay: Any, batches: list[list[int]] = BATCHES) -> tuple[_Recording, Any, list[Any]]:
+    backend = _Recording(delay)
+    engine = _engine(backend, batches, prefetch=PREFETCH)
+    backend.engine = engine
+    got = _drain(engine)
+    return backend, engine, got
+
+
+def test_idle_workers_run_ahead_of_a_late_head() -> None:
+    backend, engine, got = _run(_late_head)
+    assert got == BATCHES, "in order, exactly once"
+    # torch's round robin: every task went to the worker torch would give it.
+    assert all(worker == task % WORKERS for worker, task in backend.submits)
+    assert len(backend.submits) == len(BATCHES), "nothing sent twice"
+    # While the slow task held its worker, the other three went on well past the window.
+    before_slow = backend.answered[: backend.answered.index(SLOW)]
+    assert len(before_slow) > 3 * WINDOW
+    stats = engine.stats.snapshot()
+    assert stats.run_ahead_limit == runahead.RUN_AHEAD_WINDOWS * WINDOW
+    assert WINDOW < stats.run_ahead_peak <= stats.run_ahead_limit
+    assert stats.waiting_in_order_peak > WINDOW
+    assert max(backend.unyielded) <= WINDOW + stats.run_ahead_limit
+    assert "run-ahead: up to" in str(stats)
+
+
+def test_the_run_ahead_stays_within_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runahead, "RUN_AHEAD_WINDOWS", 1)
+    backend, engine, got = _run(_late_head)
+    assert got == BATCHES
+    stats = engine.stats.snapshot()
+    assert stats.run_ahead_limit == WINDOW
+    # It reached its limit (the slow task is slow enough), and went no further.
+    assert stats.run_ahead_peak == WINDOW
+    assert max(backend.unyielded) == 2 * WINDOW  # (each count includes the task sent)
+
+
+def test_an_on_time_head_keeps_torchs_window() -> None:
+    # Every task alike: the window is never exceeded (tasks beyond it go out only when a
+    # worker would run dry behind a late head).
+    backend, engine, got = _run(lambda task_id: 0.0005)
+    assert got == BATCHES
+    assert max(backend.unyielded) <= WINDOW
+    assert engine.stats.snapshot().run_ahead_peak <= WORKERS
+
+
+def test_uneven_times_keep_order_and_exactly_once_in_and_out_of_order() -> None:
+    rng = random.Random(5)
+    times = {t: min(0.02, rng.lognormvariate(-7.0, 1.0)) for t in range(len(BATCHES))}
+    backend, engine, got = _run(times.__getitem__)
+    assert got == BATCHES
+    assert sorted(backend.answered) == list(range(len(BATCHES)))
+    assert all(worker == task % WORKERS for worker, task in backend.submits)
+    backend = FakeBackend(WORKERS, delay=times.__getitem__, serial=True)
+    engine = _engine(backend, BATCHES, prefetch=PREFETCH, in_order=False)
+    assert sorted(_drain(engine)) == BATCHES
+    assert engine.stats.snapshot().run_ahead_limit == 0, "out of order there is no line"
+
+
+def test_a_lost_worker_during_the_run_ahead_repeats_and_loses_nothing() -> None:
+    backend = _Recording(_late_head)
+    backend.lose_on = {SLOW + 2 * WORKERS + 1}  # a task sent while the head is late
+    engine = _engine(backend, BATCHES, prefetch=PREFETCH, restarts=1)
+    backend.engine = engine
+    with pytest.warns(RuntimeWarning, match="replaced it"):
+        got = _drain(engine)
+    assert got == BATCHES
+    assert backend.restarts == [(SLOW + 2 * WORKERS + 1) % WORKERS]
+
+
+def test_the_limit_is_the_memory_bound() -> None:
+    stats = PassStats(2, False, True)
+    batch = torch.zeros(1000, dtype=torch.uint8)
+
+    def ahead_of(max_memory: int | None) -> RunAhead:
+        return RunAhead(None, stats, 4, enabled=True, max_memory=max_memory)  # type: ignore[arg-type]
+
+    ahead = ahead_of(None)
+    ahead.resize(4)
+    assert ahead.limit == 0, "no run-ahead before a batch's size is known"
+    ahead.survey(batch, yielded=1)
+    assert ahead.limit == min(runahead.RUN_AHEAD_WINDOWS * 4, runahead.RUN_AHEAD_BYTES // 1000)
+    # With max_memory, what the budget leaves beside the window and two batches.
+    ahead = ahead_of(20_000)
+    ahead.survey(batch, yielded=1)
+    assert ahead.limit == 20 - (4 + 2)
+    assert stats.run_ahead_limit == 14 and stats.batch_bytes == 1000
+    ahead.resize(8)  # the controller doubled the window
+    assert ahead.limit == 20 - (8 + 2)
+    ahead = ahead_of(5_000)
+    ahead.survey(batch, yielded=1)
+    assert ahead.limit == 0, "a budget the window fills leaves no run-ahead"
+    # The largest batch seen sizes the bound.
+    ahead.survey(torch.zeros(10, dtype=torch.uint8), yielded=65)
+    assert ahead.batch_bytes == 1000
+
+
+class _Where(torch.utils.data.Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        info = torch.utils.data.get_worker_info()
+        return torch.tensor([index, -1 if info is None else info.id, random.randrange(1 << 30)])
+
+
+def _loader(fake: FakeWorkers) -> aioload.DataLoader:
+    return aioload.DataLoader(
+        _Where(),
+        batch_size=1,
+        num_workers=3,
+        shuffle=True,
+        seed_per_sample=True,
+        generator=torch.Generator().manual_seed(11),
+        workers=fake,
+    )
+
+
+def test_a_checkpoint_taken_while_batches_wait_ahead_resumes_exactly(front: str) -> None:  # noqa: F811
+    # Batch SLOW is late; once it is handed over, the batches its siblings ran ahead to are
+    # waiting in the reorder buffer. The checkpoint records only what was yielded: a resumed
+    # loader yields the rest, each batch once, as the uninterrupted pass does.
+    fake = FakeWorkers(delay=_late_head, serial=True)
+    whole = [b.tolist() for b in _loader(fake)]
+    loader = _loader(FakeWorkers(delay=_late_head, serial=True))
+    it = iter(loader)
+    head = [next(it).tolist() for _ in range(SLOW + 1)]
+    stats = loader.stats()
+    assert stats.run_ahead_peak > 0 and stats.waiting_in_order > 0, "taken mid-run-ahead"
+    state = loader.state_dict()
+    del it
+    resumed = _loader(FakeWorkers(delay=_late_head, serial=True))
+    resumed.load_state_dict(state)
+    tail = [b.tolist() for b in resumed]
+    assert head + tail == whole
+    assert len(whole) == 40
