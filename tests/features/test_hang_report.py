@@ -10,6 +10,7 @@ the threshold is the slow sample's.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
@@ -133,6 +134,7 @@ def test_a_worker_in_a_slow_sample_is_reported_once_with_its_stack(
     assert after is not None and not after["waiting"]
     assert after["waited_s"] >= seen["waited_s"] and after["where"].startswith("pid ")
     assert "stalled (hang_report_after): batch 2 from worker 0 (pid " in str(loader.stats())
+    assert json.loads(json.dumps(loader.stats().as_dict()))["stalled"] == after
 
 
 @pytest.mark.parametrize("front", ["sync", "asyncio"])
