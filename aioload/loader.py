@@ -153,6 +153,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             most bytes of batches in flight, `(workers x prefetch_factor + 2) x` a batch's
             bytes, enforced once a batch's size is known by lowering the depth, then the
             workers. An integer, or a float such as `2e9`; `None`: no bound.
+        hang_report_after: Seconds of waiting for one batch before aioload logs, once, where
+            it is: a WARNING on the `"aioload"` logger naming the batch, the worker holding it,
+            its indices, the wait so far and that worker's Python stack (every thread's), also
+            in `loader.stats().stalled`. The wait goes on; nothing is stopped (`timeout` ends
+            waits). `None` turns it off.
 
     Raises:
         ValueError: An argument out of range: torch's checks (its messages), then aioload's.
@@ -192,6 +197,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         sample_retries: int = 0,
         snapshot_every_n_steps: int | None = 1,
         max_memory: float | None = None,
+        hang_report_after: float | None = 60.0,
     ) -> None:
         resolved = resolve_arguments(
             dataset,
@@ -250,6 +256,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             max_skipped=max_skipped,
             sample_retries=sample_retries,
             snapshot_every_n_steps=snapshot_every_n_steps,
+            hang_report_after=hang_report_after,
         )
         self.device = extras.device
         self.max_worker_restarts = max_worker_restarts
@@ -269,6 +276,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         # state comes with every batch that needs it, so a checkpoint is exact at every step
         # and the value changes nothing (docs/resume.md).
         self.snapshot_every_n_steps = extras.snapshot_every_n_steps
+        self.hang_report_after = extras.hang_report_after
         # Every argument reads back under its own name (Lightning rebuilds a DataLoader subclass
         # from its __init__ signature and these attributes); torch keeps all but these.
         self.shuffle = shuffle
@@ -487,7 +495,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         """A snapshot of the current pass, or of the last one if none is running (an empty one
         before the first, with an "auto" loader's starting choice): batches, samples, the
         data-bound share of the consumer's time, each worker's busy fraction, fetch-time
-        percentiles and restarts, queue depths and pin time.
+        percentiles and restarts, queue depths, pin time, and the hang report's ``stalled``.
 
         ``print(loader.stats())`` shows a table; ``loader.stats().as_dict()`` is for loggers.
         """

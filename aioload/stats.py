@@ -23,7 +23,7 @@ from typing import Any
 
 from .errors import TooManySampleErrors
 
-__all__ = ["LoaderStats", "PassStats", "SkipCap", "SkippedSample", "WorkerStats"]
+__all__ = ["LoaderStats", "PassStats", "SkipCap", "SkippedSample", "Stall", "WorkerStats"]
 
 # Fetch times kept per worker for percentiles. Up to this many tasks the percentiles are exact;
 # beyond it, each later time replaces a kept one with the probability that keeps the sample
@@ -197,6 +197,24 @@ class LoaderStats:
             ``worker_concurrency`` (see docs/tuning.md): the current choice, each change with
             its reason and time, and the measurements used; ``None`` when every number is the
             user's.
+        waiting_in_order_peak: In order, the most answers that waited for their turn at a
+            hand-over.
+        reorder_bytes_peak: Those answers' bytes at the largest batch size seen (an estimate:
+            batches are sized now and then, not each).
+        run_ahead_limit: In order, while the head of the line is late, workers run ahead of it
+            beyond the prefetch window (docs/tuning.md, "Run-ahead"): the most batches beyond
+            the window the pass may send (0: none, as with ``in_order=False`` or before the
+            first batch).
+        run_ahead_peak: The most batches beyond the window the pass sent at once.
+        stalled: "Is it hung, and where?": the latest batch of the pass that the consumer
+            waited for longer than the loader's ``hang_report_after`` (the one the hang report
+            was logged for), or None. A dict: ``batch`` (its number in the pass, from 0, as a
+            timeout's message names it), ``worker`` (the worker id holding it; None for the
+            calling process), ``where`` (``"pid 1234"``, as error messages name the worker),
+            ``indices``, ``waited_s`` (how long the consumer has waited for it, still counting
+            while ``waiting``), ``waiting`` (True until the consumer's ``next()`` returns) and
+            ``stack`` (the worker's Python stack when the report was made, every thread's; None
+            where its backend cannot read it).
     """
 
     running: bool
@@ -219,16 +237,11 @@ class LoaderStats:
     skipped: list[SkippedSample] = field(default_factory=list)
     skipped_count: int = 0
     tuning: dict[str, Any] | None = None
-    # In order: the most answers that waited for their turn at a hand-over, and their bytes at
-    # the largest batch size seen (an estimate: batches are sized now and then, not each).
     waiting_in_order_peak: int = 0
     reorder_bytes_peak: int = 0
-    # In order, while the head of the line is late, workers run ahead of it beyond the
-    # prefetch window (docs/tuning.md, "Run-ahead"): the most batches beyond the window the
-    # pass may send (0: none, as with in_order=False or before the first batch), and the most
-    # it did send at once.
     run_ahead_limit: int = 0
     run_ahead_peak: int = 0
+    stalled: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data (numbers, None, lists and dicts) for loggers and ``json.dumps``."""
@@ -236,6 +249,42 @@ class LoaderStats:
 
     def __str__(self) -> str:
         return _table(self)
+
+
+class Stall:
+    """A batch the consumer waited for past ``hang_report_after``: what the hang report said
+    (``_engine.hang``), for ``LoaderStats.stalled``. Written by the thread that reports it,
+    and ended by the consumer's (``PassStats.leave``)."""
+
+    __slots__ = ("batch", "ended", "indices", "since", "stack", "where", "worker")
+
+    def __init__(
+        self, batch: int, worker: int | None, where: str | None, indices: Any, since: float
+    ) -> None:
+        self.batch = batch
+        self.worker = worker
+        self.where = where
+        self.indices = indices
+        # When the consumer began to wait for it, and when its ``next()`` returned
+        # (``time.monotonic``).
+        self.since = since
+        self.ended: float | None = None
+        self.stack: str | None = None
+
+    def waited_s(self) -> float:
+        end = self.ended if self.ended is not None else time.monotonic()
+        return end - self.since
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "batch": self.batch,
+            "worker": self.worker,
+            "where": self.where,
+            "indices": self.indices,
+            "waited_s": self.waited_s(),
+            "waiting": self.ended is None,
+            "stack": self.stack,
+        }
 
 
 class _WorkerCounter:
@@ -290,6 +339,8 @@ class PassStats:
         # The pass's feed to the "auto" controller (``_engine.tuning.PassTuning``), if any:
         # it has ``report()`` and ``brief()``.
         self.tuning: Any = None
+        # The latest batch waited for past hang_report_after (``_engine.hang``), if any.
+        self.stalled: Stall | None = None
 
     # -- the consumer (front ends) ------------------------------------------------------------
 
@@ -306,6 +357,10 @@ class PassStats:
 
     def leave(self, entered: float) -> None:
         """A batch (or the end) reached the consumer."""
+        stalled = self.stalled
+        if stalled is not None and stalled.ended is None:
+            # (Also where next() raised: the consumer has stopped waiting for it.)
+            stalled.ended = time.monotonic()
         if self.finished:
             return
         now = time.perf_counter()
@@ -419,6 +474,7 @@ class PassStats:
             reorder_bytes_peak=self.waiting_peak * self.batch_bytes,
             run_ahead_limit=self.run_ahead_limit,
             run_ahead_peak=self.run_ahead_peak,
+            stalled=self.stalled.as_dict() if self.stalled is not None else None,
         )
 
 
@@ -471,6 +527,17 @@ def _tuning_line(tuning: dict[str, Any]) -> str:
     return f"tuning: {chosen}; {len(changes)} changes{last}"
 
 
+def _stall_line(stall: dict[str, Any]) -> str:
+    holder = "the calling process" if stall["worker"] is None else f"worker {stall['worker']}"
+    if stall["where"] is not None and stall["worker"] is not None:
+        holder += f" ({stall['where']})"
+    state = ", still waiting" if stall["waiting"] else ""
+    return (
+        f"stalled (hang_report_after): batch {stall['batch']} from {holder}, "
+        f"waited {stall['waited_s']:.1f} s{state}"
+    )
+
+
 def _table(stats: LoaderStats) -> str:
     state = "finished" if stats.elapsed_s > 0 else "not started"
     if stats.running:
@@ -502,6 +569,8 @@ def _table(stats: LoaderStats) -> str:
         )
     if stats.tuning is not None:
         lines.append("  " + _tuning_line(stats.tuning))
+    if stats.stalled is not None:
+        lines.append("  " + _stall_line(stats.stalled))
     if stats.skipped_count:
         lines.append(f"  skipped samples: {stats.skipped_count} (on_sample_error)")
         shown = stats.skipped[-_SKIPS_SHOWN:]

@@ -145,6 +145,12 @@ class WorkerBackend(Protocol):
     def describe(self, worker_id: int) -> str:
         """How error messages name this worker ("pid 1234", "actor ... on node ...")."""
 
+    def dump_stack(self, worker_id: int) -> str | None:
+        """This worker's current Python stack, every thread's, as text, for the hang report
+        (``_engine/hang.py``); None where it cannot be read. Bounded in time (a fraction of a
+        second at most): the engine asks it from the consumer's wait, and a worker that cannot
+        answer must not hold that up. It must not disturb the worker."""
+
     def close(self) -> None:
         """Stop every worker and release everything, bounded in time. Idempotent."""
 

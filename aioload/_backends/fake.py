@@ -117,6 +117,9 @@ class FakeBackend:
         self.started_passes = 0
         self.max_outstanding = 0
         self.awaited: list[tuple[int | None, dict[int, int]]] = []
+        # What dump_stack answers for each worker (the hang report), and whom it was asked for.
+        self.stacks: dict[int, str] = {}
+        self.dumped: list[int] = []
         # Running the loader's own dataset (``spec``): one slot per worker, and the answers
         # its slots made, by (worker, task id), until they are due.
         self.spec = spec
@@ -238,6 +241,11 @@ class FakeBackend:
 
     def describe(self, worker_id: int) -> str:
         return f"fake {worker_id}"
+
+    def dump_stack(self, worker_id: int) -> str | None:
+        """The scripted stack of ``worker_id`` (``stacks``), if any; recorded in ``dumped``."""
+        self.dumped.append(worker_id)
+        return self.stacks.get(worker_id)
 
     def close(self) -> None:
         self.closed = True

@@ -17,6 +17,7 @@ answers back, and closes what the pass opened.
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from typing import Any, ClassVar
@@ -74,6 +75,8 @@ class InlineBackend:
         # The dataset's async context (its per-worker setup), entered on the loop that fetches,
         # at the first fetch of the pass, and exited when the pass's source is closed.
         self.context_entered = False
+        # The thread running the fetch now, if any (the hang report reads its stack).
+        self.fetching: int | None = None
 
     def start_pass(self, plans: list[PassPlan]) -> None:
         # The fetcher (and an IterableDataset's iterator) is made on the first fetch, in the
@@ -103,6 +106,14 @@ class InlineBackend:
 
     def describe(self, worker_id: int) -> str:
         return "the calling process"
+
+    def dump_stack(self, worker_id: int) -> str | None:
+        """The stack of the thread running the fetch (the consumer's own under ``for``, a
+        thread of the loop's under ``async for``), read from the hang report's watchdog."""
+        from .._worker.stacks import format_threads  # (only a hang report needs it)
+
+        fetching = self.fetching
+        return format_threads([fetching]) if fetching is not None else None
 
     def waitable(self, awaited: int | None = None) -> Waitable:
         """The answer is the fetch itself, which the caller runs (``work``); with no task, the
@@ -151,21 +162,30 @@ class InlineBackend:
         )
 
     def _fetch(self, task_id: int, indices: Any) -> StepResult:
-        if not self.fetched:
-            self.fetched = True
-            self.step.new_pass(self.plan)
-        return self.step.run(Task(task_id, 0, indices))
+        self.fetching = threading.get_ident()
+        try:
+            if not self.fetched:
+                self.fetched = True
+                self.step.new_pass(self.plan)
+            return self.step.run(Task(task_id, 0, indices))
+        finally:
+            self.fetching = None
 
     async def _fetch_async(self, task_id: int, indices: Any) -> StepResult:
+        # (The loop's thread: a sample that blocks it shows there.)
+        self.fetching = threading.get_ident()
         step = self.step
-        if not self.fetched:
-            self.fetched = True
-            self.context_entered = await step.enter_async_context()
-            if step.iterable:
-                await step.start_async_stream(self.plan)
-            else:
-                step.new_async_pass(self.plan)
-        return await step.run_async(Task(task_id, 0, indices))
+        try:
+            if not self.fetched:
+                self.fetched = True
+                self.context_entered = await step.enter_async_context()
+                if step.iterable:
+                    await step.start_async_stream(self.plan)
+                else:
+                    step.new_async_pass(self.plan)
+            return await step.run_async(Task(task_id, 0, indices))
+        finally:
+            self.fetching = None
 
     def close(self) -> None:
         fetcher, self.step.fetcher = self.step.fetcher, None

@@ -887,6 +887,16 @@ class WorkerPool:
             return f"worker {worker_id}, starting"
         return f"pid {worker.pid}"
 
+    def dump_stack(self, worker_id: int) -> str | None:
+        # faulthandler in the worker, on a signal, into a memfd read through /proc
+        # (``_worker.stacks``); None for a worker not forked yet, or gone.
+        from .._worker.stacks import read_stack  # (only a hang report needs it)
+
+        worker = self.workers[worker_id]
+        if worker.pid is None or worker.exited or self.closed:
+            return None
+        return read_stack(worker.pid)
+
     def waitable(self, awaited: int | None = None) -> Waitable:
         """What the engine may sleep on: the selector, which an answer, a worker's exit or a
         socket with an outbox left that takes more makes readable; with ``awaited`` (and small

@@ -458,6 +458,11 @@ class RayBackend:
     def describe(self, worker_id: int) -> str:
         return self._describe(self.slots[worker_id])
 
+    def dump_stack(self, worker_id: int) -> str | None:
+        # An actor's stack would take a call into the actor, which is busy in the sample it
+        # is stuck in (``ray stack`` on its node shows it): the report names the actor alone.
+        return None
+
     def _describe(self, slot: _Slot) -> str:
         # Never waits: this runs on the event loop (stats, a loss, a restart). An actor that has
         # not answered ``where`` yet is still starting.

@@ -46,6 +46,7 @@ from .._wire.messages import (
 )
 from ..errors import DataLoaderTimeoutError
 from ..stats import PassStats, SkipCap
+from .hang import NO_HANG_REPORT, HangWatch
 from .ledger import Ledger
 from .pinning import PinStage, Transfer
 from .resume import PassProgress
@@ -91,6 +92,8 @@ class PassSetup(NamedTuple):
     # num_workers / prefetch_factor / worker_concurrency "auto": the pass's feed to the
     # controller (``_engine.tuning``); None when every number is the user's.
     tuning: PassTuning | None = None
+    # hang_report_after: the pass's hang report (``_engine.hang``), asked before each wait.
+    hang: HangWatch = NO_HANG_REPORT
 
 
 # The backend before the first next() starts it (every use checks for this first).
@@ -338,7 +341,7 @@ class Orchestrator:
         # In order, with no pin stage, the wait is for the next task's worker (Ledger.awaited).
         awaited = self._ledger.awaited() if self._in_order and self._stage is None else None
         waitable = self._backend.waitable(awaited)
-        left = deadline - time.monotonic() if deadline != math.inf else math.inf
+        left = self._setup.hang.sleep_limit(deadline, waitable, self._backend, self._ledger)
         self._busy = True
         try:
             if waitable.work is not None:
@@ -356,7 +359,7 @@ class Orchestrator:
         # In order, with no pin stage, the wait is for the next task's worker (Ledger.awaited).
         awaited = self._ledger.awaited() if self._in_order and self._stage is None else None
         waitable = self._backend.waitable(awaited)
-        left = deadline - time.monotonic() if deadline != math.inf else math.inf
+        left = self._setup.hang.sleep_limit(deadline, waitable, self._backend, self._ledger)
         self._busy = True
         try:
             if waitable.work is not None:

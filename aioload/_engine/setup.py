@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
+import numbers
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -28,6 +30,7 @@ from .._worker.async_detect import is_async_dataset
 from .._worker.datapipes import SharedSeeds, is_datapipe, is_iter_datapipe, reseed, shard_in_process
 from .._worker.fetch import SamplePolicy, is_stateful
 from ..stats import PassStats, SkipCap
+from .hang import NO_HANG_REPORT, HangWatch
 from .orchestrator import Orchestrator, PassSetup, track_pass
 from .pinning import Transfer
 from .resume import (
@@ -152,6 +155,7 @@ class Extras(NamedTuple):
     device: torch.device | None
     worker_concurrency: int
     snapshot_every_n_steps: int | None
+    hang_report_after: float | None
 
 
 def check_extras(
@@ -169,6 +173,7 @@ def check_extras(
     max_skipped: Any,
     sample_retries: Any,
     snapshot_every_n_steps: Any,
+    hang_report_after: Any,
 ) -> Extras:
     """Check the arguments torch does not take (or takes, and fails on later), each with a
     message that says what a valid value is."""
@@ -195,7 +200,12 @@ def check_extras(
         worker_concurrency, dataset, dataset_kind, worker_init_fn
     )
     check_sample_errors(on_sample_error, max_skipped, sample_retries)
-    return Extras(checked_device, concurrency, check_snapshot_steps(snapshot_every_n_steps))
+    return Extras(
+        checked_device,
+        concurrency,
+        check_snapshot_steps(snapshot_every_n_steps),
+        check_hang_report_after(hang_report_after),
+    )
 
 
 def shard_index_sampler(
@@ -300,6 +310,18 @@ def check_snapshot_steps(value: Any) -> int | None:
             f"snapshot_every_n_steps={value!r}"
         )
     return value
+
+
+def check_hang_report_after(value: Any) -> float | None:
+    """None, or a positive number of seconds (``inf`` included: never)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) > 0:
+        raise ValueError(
+            "hang_report_after option should be None or a positive number of seconds, but "
+            f"got hang_report_after={value!r}"
+        )
+    return float(value)
 
 
 def check_sample_errors(on_sample_error: Any, max_skipped: Any, sample_retries: Any) -> None:
@@ -409,6 +431,7 @@ class LoaderView(Protocol):
     max_skipped: int | float | None
     seed_per_sample: bool
     max_worker_restarts: int
+    hang_report_after: float | None
     device: torch.device | None
     workers: WorkerFactory | None
     _workers: BackendKeeper
@@ -471,6 +494,14 @@ def skip_cap(loader: LoaderView) -> SkipCap | None:
     return SkipCap(loader.max_skipped, total)
 
 
+def hang_watch(loader: LoaderView, stats: PassStats) -> HangWatch:
+    """A pass's hang report, from ``hang_report_after`` as it is now (None or inf: none)."""
+    after = loader.hang_report_after
+    if after is None or after == math.inf:
+        return NO_HANG_REPORT
+    return HangWatch(after, stats, in_order=loader.in_order)
+
+
 def draw_shared_seed(loader: LoaderView) -> int:
     """An IterDataPipe's shuffle seed for a pass, shared by every worker (and rank)."""
     return loader._shared_seeds.draw(loader.generator)
@@ -507,6 +538,7 @@ def pass_engine(loader: LoaderView, offload_inline: bool) -> Orchestrator:
     if loader._tuner is not None:
         # "auto": the pass feeds its counters to the controller (also stats()["tuning"]).
         setup = setup._replace(tuning=PassTuning(loader._tuner, loader._pass_stats))
+    setup = setup._replace(hang=hang_watch(loader, loader._pass_stats))
     engine = Orchestrator(backend.make, setup, owns_backend=backend.owned, stats=loader._pass_stats)
     track_pass(engine)  # a forked child's copy of it raises, saying so
     if backend.owned:

@@ -60,6 +60,7 @@ from .._wire.messages import (
 )
 from .._wire.packed import pack_reply, unpack_to_worker
 from ..errors import WorkerError
+from . import stacks as _stacks
 from .async_detect import has_async_context, is_async_dataset
 from .datapipes import is_datapipe, reseed, shard_in_worker
 from .fetch import Fetcher, FetchSpec, SamplePolicy, is_stateful
@@ -281,6 +282,8 @@ def worker_main(config: WorkerConfig, sock: Any, parent: ParentWatch | None = No
     gc.freeze()
     # Ctrl-C goes to the whole process group; the parent decides what it means and stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The parent may ask for our stack (the hang report): faulthandler answers it.
+    _stacks.install()
     torch.set_num_threads(1)
     _transport.stack_tensors_privately()
     channel = WorkerChannel(sock, pack=pack_reply, unpack=unpack_to_worker)
