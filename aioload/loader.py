@@ -28,6 +28,7 @@ from ._engine.resume import (
 )
 from ._engine.setup import (
     check_extras,
+    check_worker_method,
     fit_state,
     next_pass_progress,
     pass_engine,
@@ -106,6 +107,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             targets the current accelerator.
         in_order: `True` yields batches in sampler order; `False` as they complete, so a slow
             sample does not hold back the others. No effect with `num_workers=0`.
+        worker_method: `"multiprocessing"` (worker processes, the default) or `"thread"`:
+            threads of this process, sharing the dataset, handing batches over by reference
+            (nothing in `/dev/shm`); `get_worker_info()` is each thread's own, its `rng` the
+            worker's generators (the global ones are every thread's: see docs/threads.md).
         device: Where batches arrive: `None` (or `"cpu"`) leaves them in memory; `"cuda"` or
             `"cuda:N"` copies each batch to that GPU in a thread of its own, pinned and with
             `non_blocking=True` on a CUDA stream of its own, and your current stream waits on an
@@ -184,6 +189,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
+        worker_method: str = "multiprocessing",
         device: str | torch.device | None = None,
         max_worker_restarts: int = 0,
         seed_per_sample: bool = False,
@@ -254,6 +260,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         )
         self.device = extras.device
         self.max_worker_restarts = max_worker_restarts
+        self.worker_method = check_worker_method(  # (see _backends.thread)
+            worker_method, self.dataset, self.num_workers, workers, seed_per_sample
+        )
         # None: local worker processes; RayWorkers (a WorkerFactory): the num_workers workers
         # as Ray actors.
         self.workers = workers

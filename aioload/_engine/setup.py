@@ -47,6 +47,7 @@ __all__ = [
     "LoaderView",
     "Resolved",
     "check_extras",
+    "check_worker_method",
     "fit_state",
     "next_pass_progress",
     "pass_engine",
@@ -195,6 +196,43 @@ def check_extras(
     )
     check_sample_errors(on_sample_error, max_skipped, sample_retries)
     return Extras(checked_device, concurrency, check_snapshot_steps(snapshot_every_n_steps))
+
+
+def check_worker_method(
+    worker_method: Any, dataset: Any, num_workers: int, workers: Any, seed_per_sample: bool
+) -> str:
+    """``worker_method``: torch's ``WorkerInfo.worker_method`` values. Thread
+    workers share the process-wide generators, so ``seed_per_sample`` cannot seed them per
+    sample there: it is said at once (``docs/threads.md``), not found in the results."""
+    if worker_method not in ("multiprocessing", "thread"):
+        raise ValueError(
+            "worker_method option should be 'multiprocessing' or 'thread', but got "
+            f"worker_method={worker_method!r}"
+        )
+    if worker_method != "multiprocessing" and workers is not None:
+        raise ValueError(
+            f"worker_method={worker_method!r} runs local workers; workers={workers!r} runs "
+            "them elsewhere: pass one or the other"
+        )
+    if worker_method != "multiprocessing" and num_workers > 0 and is_datapipe(dataset):
+        # A DataPipe is sharded and reseeded in place in each worker (torch's workers each
+        # have a copy): one object shared by threads cannot be.
+        raise ValueError(
+            f"worker_method={worker_method!r} does not support DataPipes: each worker shards "
+            "and reseeds its own copy of the pipe, and thread workers share one; use "
+            "worker_method='multiprocessing'"
+        )
+    if worker_method != "multiprocessing" and seed_per_sample:
+        warnings.warn(
+            f"aioload: with worker_method={worker_method!r}, thread workers share the "
+            "process-wide random, numpy and torch generators, so seed_per_sample seeds each "
+            "sample's get_worker_info().rng (random_generator, torch_generator, "
+            "numpy_generator) instead of them; draw from those for per-sample randomness "
+            "(docs/threads.md)",
+            UserWarning,
+            stacklevel=3,
+        )
+    return str(worker_method)
 
 
 def shard_index_sampler(
@@ -410,6 +448,7 @@ class LoaderView(Protocol):
     max_worker_restarts: int
     device: torch.device | None
     workers: WorkerFactory | None
+    worker_method: str
     _workers: BackendKeeper
     _tuner: Any
     _shard_sampler: DistributedSampler[Any] | None
@@ -453,6 +492,7 @@ def worker_spec(loader: LoaderView) -> WorkerSpec:
         world_size=loader._world_size,
         worker_concurrency=loader.worker_concurrency,
         sample_policy=SamplePolicy(loader.on_sample_error, loader.sample_retries),
+        worker_method=loader.worker_method,
     )
 
 
