@@ -107,10 +107,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             targets the current accelerator.
         in_order: `True` yields batches in sampler order; `False` as they complete, so a slow
             sample does not hold back the others. No effect with `num_workers=0`.
-        worker_method: `"multiprocessing"` (worker processes, the default) or `"thread"`:
-            threads of this process, sharing the dataset, handing batches over by reference
-            (nothing in `/dev/shm`); `get_worker_info()` is each thread's own, its `rng` the
-            worker's generators (the global ones are every thread's: see docs/threads.md).
+        worker_method: `"multiprocessing"` (processes, the default); `"thread"`: threads of
+            this process, sharing the dataset, batches by reference (nothing in `/dev/shm`),
+            each with its own `get_worker_info()` and `.rng` (docs/threads.md); `"auto"`: a
+            short trial before the first pass picks threads where they scale.
         device: Where batches arrive: `None` (or `"cpu"`) leaves them in memory; `"cuda"` or
             `"cuda:N"` copies each batch to that GPU in a thread of its own, pinned and with
             `non_blocking=True` on a CUDA stream of its own, and your current stream waits on an
@@ -263,6 +263,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         self.worker_method = check_worker_method(  # (see _backends.thread)
             worker_method, self.dataset, self.num_workers, workers, seed_per_sample
         )
+        self._method_choice: dict[str, Any] | None = None  # worker_method="auto"'s
         # None: local worker processes; RayWorkers (a WorkerFactory): the num_workers workers
         # as Ray actors.
         self.workers = workers

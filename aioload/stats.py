@@ -236,6 +236,8 @@ class PassStats:
         # The pass's feed to the "auto" controller (``_engine.tuning.PassTuning``), if any:
         # it has ``report()`` and ``brief()``.
         self.tuning: Any = None
+        # worker_method="auto": what was chosen, why, and the trial's figures.
+        self.method_choice: dict[str, Any] | None = None
 
     # -- the consumer (front ends) ------------------------------------------------------------
 
@@ -358,8 +360,15 @@ class PassStats:
             workers=workers,
             skipped=list(self.skipped),
             skipped_count=len(self.skipped),
-            tuning=self.tuning.report() if self.tuning is not None else None,
+            tuning=self._tuning_report(),
         )
+
+    def _tuning_report(self) -> dict[str, Any] | None:
+        """The "auto" controller's report, with worker_method="auto"'s choice beside it."""
+        report = self.tuning.report() if self.tuning is not None else None
+        if self.method_choice is not None:
+            report = {**(report or {}), "worker_method": dict(self.method_choice)}
+        return report
 
 
 def empty_stats(num_workers: int) -> LoaderStats:

@@ -41,7 +41,7 @@ from .resume import (
     next_points,
     start_points,
 )
-from .tuning import PassTuning, auto_arguments
+from .tuning import PassTuning, auto_arguments, usable_cores
 
 __all__ = [
     "LoaderView",
@@ -201,12 +201,12 @@ def check_extras(
 def check_worker_method(
     worker_method: Any, dataset: Any, num_workers: int, workers: Any, seed_per_sample: bool
 ) -> str:
-    """``worker_method``: torch's ``WorkerInfo.worker_method`` values. Thread
+    """``worker_method``: torch's ``WorkerInfo.worker_method`` values, or "auto". Thread
     workers share the process-wide generators, so ``seed_per_sample`` cannot seed them per
     sample there: it is said at once (``docs/threads.md``), not found in the results."""
-    if worker_method not in ("multiprocessing", "thread"):
+    if worker_method not in ("multiprocessing", "thread", "auto"):
         raise ValueError(
-            "worker_method option should be 'multiprocessing' or 'thread', but got "
+            "worker_method option should be 'multiprocessing', 'thread' or 'auto', but got "
             f"worker_method={worker_method!r}"
         )
     if worker_method != "multiprocessing" and workers is not None:
@@ -449,6 +449,7 @@ class LoaderView(Protocol):
     device: torch.device | None
     workers: WorkerFactory | None
     worker_method: str
+    _method_choice: dict[str, Any] | None
     _workers: BackendKeeper
     _tuner: Any
     _shard_sampler: DistributedSampler[Any] | None
@@ -543,6 +544,7 @@ def pass_engine(loader: LoaderView, offload_inline: bool) -> Orchestrator:
     )
     # One list, appended to as batches are delivered: stats() and state_dict() read it.
     loader._pass_stats.skipped = setup.progress.skipped
+    loader._pass_stats.method_choice = loader._method_choice
     if loader._tuner is not None:
         # "auto": the pass feeds its counters to the controller (also stats()["tuning"]).
         setup = setup._replace(tuning=PassTuning(loader._tuner, loader._pass_stats))
@@ -621,8 +623,11 @@ def pass_setup(loader: LoaderView, offload_inline: bool) -> tuple[PassSetup, Bac
         refusal = single_process_timeout_error()
         if refusal is not None:
             raise refusal
+    spec = worker_spec(loader)
+    if spec.worker_method == "auto":
+        spec = spec._replace(worker_method=auto_worker_method(loader, spec))
     backend = choose_backend(
-        worker_spec(loader),
+        spec,
         keeper=loader._workers,
         base_seed=start.base_seed,
         workers=loader.workers,
@@ -645,6 +650,19 @@ def pass_setup(loader: LoaderView, offload_inline: bool) -> tuple[PassSetup, Bac
         skip_cap=skip_cap(loader),
     )
     return setup, backend
+
+
+def auto_worker_method(loader: LoaderView, spec: WorkerSpec) -> str:
+    """worker_method="auto": chosen once, before the loader's first pass with workers, by a
+    short trial (``_backends.thread.choose_worker_method``), and kept (``stats()["tuning"]``
+    reports it with its figures)."""
+    if loader.num_workers == 0:
+        return "multiprocessing"  # (the calling process: no workers to choose for)
+    if loader._method_choice is None:
+        from .._backends.thread import choose_worker_method
+
+        loader._method_choice = choose_worker_method(spec, usable_cores())
+    return str(loader._method_choice["value"])
 
 
 def fit_state(loader: LoaderView, parsed: ParsedState) -> None:
