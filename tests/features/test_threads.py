@@ -447,3 +447,41 @@ def test_the_trial_leaves_the_global_generators_as_they_were() -> None:
     assert choice["value"] in ("thread", "multiprocessing")
     assert "samples_per_s_one_thread" in choice
     assert random.random() == random.Random(11).random()
+
+
+def test_auto_worker_count_skipping_and_pinning_run_on_threads() -> None:
+    """The engine's features need nothing of the backend beyond the seam: num_workers and
+    prefetch_factor "auto" (the controller activates slots), skipped samples, and the pin
+    stage (on a machine without an accelerator, torch's warning and plain batches)."""
+    tuned = aioload.DataLoader(
+        Tensors(), batch_size=2, num_workers="auto", prefetch_factor="auto", worker_method="thread"
+    )
+    assert [int(b[0, 0]) for b in tuned] == [0, 2, 4, 6]
+    assert tuned.stats().as_dict()["tuning"] is not None
+    skipping = aioload.DataLoader(
+        Failing(), batch_size=2, num_workers=2, worker_method="thread", on_sample_error="skip"
+    )
+    assert [b.tolist() for b in skipping] == [[0, 1], [2], [4, 5]]
+    assert [s.index for s in skipping.stats().skipped] == [3]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's, where no accelerator is usable)
+        pinned = aioload.DataLoader(
+            Tensors(), batch_size=4, num_workers=2, worker_method="thread", pin_memory=True
+        )
+        assert [b[:, 0].tolist() for b in pinned] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_in_order_false_with_persistent_thread_workers() -> None:
+    loader = aioload.DataLoader(
+        Stuck(12, stuck=-1),
+        batch_size=2,
+        num_workers=2,
+        worker_method="thread",
+        in_order=False,
+        persistent_workers=True,
+    )
+    for _ in range(3):
+        assert sorted(i for b in loader for i in b.tolist()) == list(range(12))
+    where = loader.stats().as_dict()["workers"]
+    assert len(where) == 2
+    loader.shutdown()
