@@ -25,6 +25,7 @@ from ._engine.resume import FORMAT, PassProgress, YieldedPositions
 from ._engine.samplers import use_stateful_shuffle
 from ._engine.setup import (
     check_extras,
+    check_worker_method,
     fit_state,
     next_pass_progress,
     pass_engine,
@@ -105,6 +106,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             while a slow batch holds up the line, the other workers run ahead of it beyond
             `prefetch_factor`, within a memory bound (`stats().run_ahead_limit`; see
             docs/tuning.md, "Run-ahead").
+        worker_method: `"multiprocessing"` (processes, the default); `"thread"`: threads of
+            this process, sharing the dataset, batches by reference (nothing in `/dev/shm`),
+            each with its own `get_worker_info()` and `.rng` (docs/threads.md); `"auto"`: a
+            short trial before the first pass picks threads where they scale.
         device: Where batches arrive: `None` (or `"cpu"`) leaves them in memory; `"cuda:N"`
             copies each batch to that GPU in a thread, pinned, `non_blocking` on a stream of its
             own that your current stream waits on (no host sync); another accelerator without
@@ -185,6 +190,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
+        worker_method: str = "multiprocessing",
         device: str | torch.device | None = None,
         max_worker_restarts: int = 0,
         seed_per_sample: bool = False,
@@ -260,6 +266,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         )
         self.device = extras.device
         self.max_worker_restarts = max_worker_restarts
+        self.worker_method = check_worker_method(  # (see _backends.thread)
+            worker_method, self.dataset, self.num_workers, workers, seed_per_sample
+        )
+        self._method_choice: dict[str, Any] | None = None  # worker_method="auto"'s
         # None: local worker processes; RayWorkers (a WorkerFactory): the num_workers workers
         # as Ray actors.
         self.workers = workers

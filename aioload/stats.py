@@ -341,6 +341,8 @@ class PassStats:
         self.tuning: Any = None
         # The latest batch waited for past hang_report_after (``_engine.hang``), if any.
         self.stalled: Stall | None = None
+        # worker_method="auto": what was chosen, why, and the trial's figures.
+        self.method_choice: dict[str, Any] | None = None
 
     # -- the consumer (front ends) ------------------------------------------------------------
 
@@ -469,13 +471,20 @@ class PassStats:
             workers=workers,
             skipped=list(self.skipped),
             skipped_count=len(self.skipped),
-            tuning=self.tuning.report() if self.tuning is not None else None,
+            tuning=self._tuning_report(),
             waiting_in_order_peak=self.waiting_peak,
             reorder_bytes_peak=self.waiting_peak * self.batch_bytes,
             run_ahead_limit=self.run_ahead_limit,
             run_ahead_peak=self.run_ahead_peak,
             stalled=self.stalled.as_dict() if self.stalled is not None else None,
         )
+
+    def _tuning_report(self) -> dict[str, Any] | None:
+        """The "auto" controller's report, with worker_method="auto"'s choice beside it."""
+        report = self.tuning.report() if self.tuning is not None else None
+        if self.method_choice is not None:
+            report = {**(report or {}), "worker_method": dict(self.method_choice)}
+        return report
 
 
 def empty_stats(num_workers: int) -> LoaderStats:

@@ -15,7 +15,7 @@ import pytest
 
 from aioload._aio import sync_loop as _sync
 from tests.helpers import TIME_SCALE, within
-from tests.leaks import ProcessTree, shm_entries, shm_leaks
+from tests.leaks import ProcessTree, shm_entries, shm_leaks, worker_threads
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -90,6 +90,8 @@ def no_leaks() -> Iterator[None]:
         deadline -= 1
     leftover = _children()
     assert not leftover, f"worker processes left behind: {[p.pid for p in leftover]}"
+    threads = worker_threads(wait=5.0)
+    assert not threads, f"worker threads left behind: {[t.name for t in threads]}"
     leaked = shm_leaks(shm_before, tree.pids)
     assert not leaked, f"new /dev/shm entries left behind: {leaked}"
     # A few descriptors may be opened lazily by libraries (e.g. anyio's thread pool, uvloop);

@@ -170,3 +170,15 @@ def shm_leaks(
         leaked += [name for name in unnamed if os.path.join(root, name) not in others]
     # A pid-named entry that is gone by now was removed by its maker: nobody's leak.
     return sorted(name for name in leaked if os.path.lexists(os.path.join(root, name)))
+
+
+def worker_threads(wait: float = 0.0) -> list[threading.Thread]:
+    """aioload's worker threads (``worker_method="thread"``) still alive after up to ``wait``
+    seconds: the thread workers' counterpart of a loader's child processes."""
+    deadline = time.monotonic() + wait
+    while True:
+        alive = [t for t in threading.enumerate() if t.name.startswith("aioload-worker-")]
+        left = deadline - time.monotonic()
+        if not alive or left <= 0:
+            return alive
+        alive[0].join(min(left, 0.05))

@@ -1,11 +1,12 @@
 """The seam between the engine and its workers, and the policy that keeps workers between passes.
 
 The orchestrator (``_engine/orchestrator.py``) schedules ``(task_id, indices)`` tasks; a
-``WorkerBackend`` runs them somewhere and reports back. Three implementations:
+``WorkerBackend`` runs them somewhere and reports back. Four implementations:
 
 - ``_backends.process.WorkerPool``: local worker processes (shared-memory batches, sockets, sentinels);
 - ``_backends.inline.InlineBackend``: ``num_workers=0``, the calling process as the one worker;
-- ``_backends.ray.RayBackend``: Ray actors (optional, ``aioload[ray]``).
+- ``_backends.ray.RayBackend``: Ray actors (optional, ``aioload[ray]``);
+- ``_backends.thread.ThreadBackend``: threads of the calling process (``worker_method="thread"``).
 
 Everything a backend says to the engine is a ``_wire.messages.Event``: an ``Answer`` to a task, or a
 ``WorkerLost``. Health checks, descriptors and transports stay inside each backend; restart
@@ -257,6 +258,9 @@ class WorkerSpec(NamedTuple):
     world_size: int = 1
     worker_concurrency: int = 1
     sample_policy: SamplePolicy | None = None
+    # Where the workers run: "multiprocessing" (processes) or "thread" (threads of this
+    # process, ``_backends.thread``), as torch's WorkerInfo names them.
+    worker_method: str = "multiprocessing"
 
     def worker_config(
         self,

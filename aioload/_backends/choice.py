@@ -51,8 +51,8 @@ def choose_backend(
     workers: WorkerFactory | None,
     async_front: bool,
 ) -> BackendChoice:
-    """``num_workers=0``: the calling process. Otherwise local worker processes, or what
-    ``workers`` makes (``RayWorkers(...)``: Ray actors); kept between passes by ``keeper`` when
+    """``num_workers=0``: the calling process. Otherwise local worker processes (threads with
+    ``worker_method="thread"``), or what ``workers`` makes (``RayWorkers(...)``: Ray actors); kept between passes by ``keeper`` when
     ``persistent_workers`` is set."""
     if spec.num_workers == 0:
 
@@ -67,10 +67,19 @@ def choose_backend(
     def make_workers(seed: int) -> WorkerBackend:
         if workers is not None:
             return workers.make_backend(spec, seed)
+        if spec.worker_method == "thread":
+            from .thread import ThreadBackend
+
+            return ThreadBackend(spec, seed)
         from .process import WorkerPool
 
         # Worker 0 forked now, the others at the engine's waits (see WorkerPool._start).
         return WorkerPool(spec, seed, stagger=True)
 
     make, owned = keeper.for_pass(make_workers, base_seed)
-    return BackendChoice(make, OUT_OF_PROCESS, owned)
+    traits = OUT_OF_PROCESS
+    if workers is None and spec.worker_method == "thread":
+        from .thread import THREAD
+
+        traits = THREAD
+    return BackendChoice(make, traits, owned)

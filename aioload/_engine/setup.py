@@ -45,12 +45,13 @@ from .resume import (
     start_points,
 )
 from .state_format import ParsedState, check_fit
-from .tuning import PassTuning, auto_arguments
+from .tuning import PassTuning, auto_arguments, usable_cores
 
 __all__ = [
     "LoaderView",
     "Resolved",
     "check_extras",
+    "check_worker_method",
     "fit_state",
     "next_pass_progress",
     "pass_engine",
@@ -206,6 +207,43 @@ def check_extras(
         check_snapshot_steps(snapshot_every_n_steps),
         check_hang_report_after(hang_report_after),
     )
+
+
+def check_worker_method(
+    worker_method: Any, dataset: Any, num_workers: int, workers: Any, seed_per_sample: bool
+) -> str:
+    """``worker_method``: torch's ``WorkerInfo.worker_method`` values, or "auto". Thread
+    workers share the process-wide generators, so ``seed_per_sample`` cannot seed them per
+    sample there: it is said at once (``docs/threads.md``), not found in the results."""
+    if worker_method not in ("multiprocessing", "thread", "auto"):
+        raise ValueError(
+            "worker_method option should be 'multiprocessing', 'thread' or 'auto', but got "
+            f"worker_method={worker_method!r}"
+        )
+    if worker_method != "multiprocessing" and workers is not None:
+        raise ValueError(
+            f"worker_method={worker_method!r} runs local workers; workers={workers!r} runs "
+            "them elsewhere: pass one or the other"
+        )
+    if worker_method != "multiprocessing" and num_workers > 0 and is_datapipe(dataset):
+        # A DataPipe is sharded and reseeded in place in each worker (torch's workers each
+        # have a copy): one object shared by threads cannot be.
+        raise ValueError(
+            f"worker_method={worker_method!r} does not support DataPipes: each worker shards "
+            "and reseeds its own copy of the pipe, and thread workers share one; use "
+            "worker_method='multiprocessing'"
+        )
+    if worker_method != "multiprocessing" and seed_per_sample:
+        warnings.warn(
+            f"aioload: with worker_method={worker_method!r}, thread workers share the "
+            "process-wide random, numpy and torch generators, so seed_per_sample seeds each "
+            "sample's get_worker_info().rng (random_generator, torch_generator, "
+            "numpy_generator) instead of them; draw from those for per-sample randomness "
+            "(docs/threads.md)",
+            UserWarning,
+            stacklevel=3,
+        )
+    return str(worker_method)
 
 
 def shard_index_sampler(
@@ -434,6 +472,8 @@ class LoaderView(Protocol):
     hang_report_after: float | None
     device: torch.device | None
     workers: WorkerFactory | None
+    worker_method: str
+    _method_choice: dict[str, Any] | None
     _workers: BackendKeeper
     _tuner: Any
     _shard_sampler: DistributedSampler[Any] | None
@@ -477,6 +517,7 @@ def worker_spec(loader: LoaderView) -> WorkerSpec:
         world_size=loader._world_size,
         worker_concurrency=loader.worker_concurrency,
         sample_policy=SamplePolicy(loader.on_sample_error, loader.sample_retries),
+        worker_method=loader.worker_method,
     )
 
 
@@ -535,6 +576,7 @@ def pass_engine(loader: LoaderView, offload_inline: bool) -> Orchestrator:
     )
     # One list, appended to as batches are delivered: stats() and state_dict() read it.
     loader._pass_stats.skipped = setup.progress.skipped
+    loader._pass_stats.method_choice = loader._method_choice
     if loader._tuner is not None:
         # "auto": the pass feeds its counters to the controller (also stats()["tuning"]).
         setup = setup._replace(tuning=PassTuning(loader._tuner, loader._pass_stats))
@@ -632,8 +674,11 @@ def pass_setup(loader: LoaderView, offload_inline: bool) -> tuple[PassSetup, Bac
         refusal = single_process_timeout_error()
         if refusal is not None:
             raise refusal
+    spec = worker_spec(loader)
+    if spec.worker_method == "auto":
+        spec = spec._replace(worker_method=auto_worker_method(loader, spec))
     backend = choose_backend(
-        worker_spec(loader),
+        spec,
         keeper=loader._workers,
         base_seed=start.base_seed,
         workers=loader.workers,
@@ -663,6 +708,19 @@ def load_in_caller(dataset: Any, point: StreamPoint) -> None:
     between passes) now."""
     if point.dataset_state is not None:
         dataset.load_state_dict(point.dataset_state)
+
+
+def auto_worker_method(loader: LoaderView, spec: WorkerSpec) -> str:
+    """worker_method="auto": chosen once, before the loader's first pass with workers, by a
+    short trial (``_backends.thread.choose_worker_method``), and kept (``stats()["tuning"]``
+    reports it with its figures)."""
+    if loader.num_workers == 0:
+        return "multiprocessing"  # (the calling process: no workers to choose for)
+    if loader._method_choice is None:
+        from .._backends.thread import choose_worker_method
+
+        loader._method_choice = choose_worker_method(spec, usable_cores())
+    return str(loader._method_choice["value"])
 
 
 def fit_state(loader: LoaderView, parsed: ParsedState) -> None:

@@ -43,6 +43,7 @@ from .._wire import slabs as _transport
 from .._wire.messages import AllSkipped, Batch, IndexRange, PassPlan, StreamState
 from ..stats import SkippedSample
 from . import stacking as _stacking
+from .info import reseed_rng, thread_worker_rng
 
 __all__ = [
     "NO_BATCH",
@@ -237,6 +238,13 @@ def sample_seed(base_seed: int, epoch: int, index: Any) -> int:
 
 
 def _seed_all(seed: int) -> None:
+    rng = thread_worker_rng()
+    if rng is not None:
+        # A worker thread (worker_method="thread"): the process-wide generators are every
+        # thread's, and a seed put there would be another thread's draw. The sample's seed
+        # goes into this worker's own generators (``get_worker_info().rng``) instead.
+        reseed_rng(rng, seed)
+        return
     random.seed(seed)
     # The CPU generator only: torch.manual_seed also walks every accelerator backend, which
     # costs about 100 us a call, ten times the rest of this function. Dataset code in a

@@ -1,10 +1,20 @@
-"""``get_worker_info()`` inside an aioload worker, torch's and aioload's alike."""
+"""``get_worker_info()`` inside an aioload worker, torch's and aioload's alike.
+
+A worker process sets the process-wide value, as torch's workers do. A worker *thread*
+(``worker_method="thread"``) cannot: the consumer and every other thread share the process.
+Its ``WorkerInfo`` is thread-local (``_set_thread_worker_info``), and torch's
+``get_worker_info`` is taught to look there first (``install_thread_hook``).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import random
+import sys
+import threading
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.utils.data._utils.worker as torch_worker
 
 __all__ = ["WorkerInfo", "get_worker_info"]
@@ -89,8 +99,10 @@ _worker_info: WorkerInfo | None = None
 
 
 def get_worker_info() -> WorkerInfo | None:
-    """The current worker's WorkerInfo inside an aioload worker process, None elsewhere."""
-    return _worker_info
+    """The current worker's WorkerInfo inside an aioload worker (process or thread), None
+    elsewhere."""
+    info: WorkerInfo | None = getattr(_thread_local, "info", None)
+    return info if info is not None else _worker_info
 
 
 def _set_worker_info(info: WorkerInfo | None) -> None:
@@ -99,3 +111,121 @@ def _set_worker_info(info: WorkerInfo | None) -> None:
     _worker_info = info
     # torch.utils.data.get_worker_info() reads this module global.
     torch_worker._worker_info = info
+
+
+# -- thread workers ----------------------------------------------------------------------------
+
+# The WorkerInfo of the worker thread that reads it (unset in every other thread). A
+# threading.local is correct without the GIL too: each thread sees only its own attribute.
+_thread_local = threading.local()
+_hook_lock = threading.Lock()
+
+
+def _set_thread_worker_info(info: WorkerInfo | None) -> None:
+    """Set (or clear) the calling thread's own WorkerInfo: what both ``get_worker_info()``
+    return in this thread alone."""
+    _thread_local.info = info
+
+
+def thread_worker_rng() -> Any:
+    """The calling worker thread's ``WorkerInfo.rng`` (per-worker generators); None in a
+    process worker, the main thread, or any thread that is not a worker."""
+    info = getattr(_thread_local, "info", None)
+    return None if info is None else getattr(info, "rng", None)
+
+
+class _Generators:
+    """``WorkerInfo.rng`` for a torch older than 2.12, which has no ``_RNG``: the same fields."""
+
+    __slots__ = ("numpy_generator", "random_generator", "torch_generator")
+
+    def __init__(self, python: random.Random, torch_gen: torch.Generator, numpy: Any) -> None:
+        self.random_generator = python
+        self.torch_generator = torch_gen
+        self.numpy_generator = numpy
+
+
+def make_rng(seed: int, numpy_seed: list[int]) -> Any:
+    """A worker thread's own generators, seeded as torch seeds a worker process's globals:
+    ``random.Random(seed)``, a ``torch.Generator`` with ``manual_seed(seed)``, and a numpy
+    ``RandomState`` seeded with the state torch's workers give numpy's global one
+    (``numpy_seed``). A thread worker that draws from them gets, draw for draw, what a process
+    worker of torch's draws from the globals. torch's ``_RNG`` where it has one (2.12+)."""
+    import numpy as np
+
+    python = random.Random(seed)
+    torch_gen = torch.Generator()
+    torch_gen.manual_seed(seed)
+    # (RandomState, numpy's legacy generator, since that is what its global one is: the same
+    # methods and the same draws as np.random's functions.)
+    numpy_gen = np.random.RandomState(numpy_seed)
+    rng_class = getattr(torch_worker, "_RNG", None)
+    if rng_class is not None:
+        return rng_class(python, torch_gen, numpy_gen)
+    return _Generators(python, torch_gen, numpy_gen)
+
+
+def reseed_rng(rng: Any, seed: int) -> None:
+    """Seed a worker thread's generators in place (seed_per_sample under threads), as a
+    process worker's globals are seeded for the sample (``_worker.fetch._seed_all``): the same
+    objects, so a dataset that kept a reference to one sees the new state."""
+    rng.random_generator.seed(seed)
+    rng.torch_generator.manual_seed(seed)
+    numpy_gen = rng.numpy_generator
+    if numpy_gen is not None:
+        numpy_gen.seed((seed ^ (seed >> 32)) & 0xFFFF_FFFF)
+
+
+def thread_worker_info(**fields: Any) -> WorkerInfo:
+    """A thread worker's WorkerInfo: ``worker_method="thread"`` and its ``rng``, as fields
+    where torch's WorkerInfo has them (2.12+), as attributes of the plain class before."""
+    return WorkerInfo(worker_method="thread", **fields)
+
+
+def _torch_collate_code() -> Any:
+    from torch.utils.data._utils.collate import collate_tensor_fn
+
+    return collate_tensor_fn.__code__
+
+
+def _thread_or_process_info(process_info: Any) -> Any:
+    """What torch's patched ``get_worker_info`` returns: the calling thread's own WorkerInfo
+    in a worker thread, else the process-wide value (a worker process's, or None).
+
+    One caller inside a worker thread is told None: torch's ``collate_tensor_fn``, which
+    otherwise stacks every batch into a fresh shared-memory segment for a process worker's
+    queue. A thread hands its batch over by reference, so that segment would be a copy and a
+    /dev/shm allocation for nothing (NOTE: frame 2 is get_worker_info's caller)."""
+    info = getattr(_thread_local, "info", None)
+    if info is None:
+        return process_info
+    if sys._getframe(2).f_code is _COLLATE_CODE:
+        return None
+    return info
+
+
+_COLLATE_CODE: Any = None
+
+
+def _patched_get_worker_info() -> Any:  # runs with torch's module globals (see below)
+    return _aioload_thread_or_process_info(_worker_info)  # type: ignore[name-defined]  # noqa: F821
+
+
+def install_thread_hook() -> None:
+    """Make torch's ``get_worker_info`` thread-aware, once, when thread workers first start.
+
+    torch's function returns its module's ``_worker_info`` global, which is one per process;
+    no value of that global can be one thing in one thread and None in another (whatever
+    object it holds is returned as it is). So the function's code is replaced, in place: the
+    same function object, which every ``from torch.utils.data import get_worker_info`` taken
+    before ``import aioload`` also holds, now asks ``_thread_or_process_info`` (put in torch's
+    module namespace, where the new code looks up its globals). A process worker and the main
+    thread still get the module global, unchanged."""
+    global _COLLATE_CODE
+    with _hook_lock:
+        function = torch_worker.get_worker_info
+        if function.__code__ is _patched_get_worker_info.__code__:
+            return
+        _COLLATE_CODE = _torch_collate_code()
+        torch_worker.__dict__["_aioload_thread_or_process_info"] = _thread_or_process_info
+        function.__code__ = _patched_get_worker_info.__code__

@@ -65,7 +65,13 @@ from .async_detect import has_async_context, is_async_dataset
 from .datapipes import is_datapipe, reseed, shard_in_worker
 from .fetch import Fetcher, FetchSpec, SamplePolicy, is_stateful
 from .heap import HeapPolicy
-from .info import WorkerInfo, _set_worker_info
+from .info import (
+    WorkerInfo,
+    _set_thread_worker_info,
+    _set_worker_info,
+    make_rng,
+    thread_worker_info,
+)
 from .parent import ParentWatch, watch_parent
 
 if TYPE_CHECKING:
@@ -317,8 +323,12 @@ StepResult = Produced | Failure | StreamEnded
 # - "beside": a worker's step in the consumer's process, set up as that worker would be (its
 #   seeds, ``get_worker_info()``, ``worker_init_fn``), its globals swapped in around each step
 #   by whoever drives it (the fake backend, ``_backends.fake``);
-# - "caller": the calling process itself, as torch's ``num_workers=0`` (``InlineBackend``).
-Place = Literal["worker", "beside", "caller"]
+# - "caller": the calling process itself, as torch's ``num_workers=0`` (``InlineBackend``);
+# - "thread": a worker thread in the consumer's process (``_backends.thread``): set up as a
+#   worker (its seed, ``worker_init_fn``), but its ``get_worker_info()`` is its thread's own,
+#   with per-worker generators (``rng``), and the process-wide generators, which every thread
+#   shares, are not reseeded.
+Place = Literal["worker", "beside", "caller", "thread"]
 
 
 class WorkerStep:
@@ -351,6 +361,7 @@ class WorkerStep:
         self.config = config
         self.slabs = slabs
         self.in_caller = place == "caller"
+        self.in_thread = place == "thread"
         self.copies_points = place != "worker"
         self.iterable = config.dataset_kind == 1
         # The newest pass announced to this worker; tasks of older ones are skipped.
@@ -377,7 +388,11 @@ class WorkerStep:
         self.concurrency = config.worker_concurrency
 
         wid = config.worker_id
-        seed = None if self.in_caller else _seed(config.base_seed, wid)
+        seed: int | None = None
+        if self.in_thread:
+            seed = config.base_seed + wid  # torch's worker seed; no process-wide seeding
+        elif not self.in_caller:
+            seed = _seed(config.base_seed, wid)
         try:
             payload = config.payload
             objects = pickle.loads(payload) if isinstance(payload, bytes) else payload
@@ -408,16 +423,21 @@ class WorkerStep:
     def _set_up_worker(self, wid: int, seed: int, init_fn: Any) -> None:
         """What a worker does before its first task (not the calling process)."""
         config = self.config
-        _set_worker_info(
-            WorkerInfo(
-                id=wid,
-                num_workers=config.num_workers,
-                seed=seed,
-                dataset=self.dataset,
-                rank=config.rank,
-                world_size=config.world_size,
-            )
-        )
+        fields: dict[str, Any] = {
+            "id": wid,
+            "num_workers": config.num_workers,
+            "seed": seed,
+            "dataset": self.dataset,
+            "rank": config.rank,
+            "world_size": config.world_size,
+        }
+        if self.in_thread:
+            # This thread's own info, with generators of its own (seeded as torch seeds a
+            # process worker's globals); nothing process-wide changes.
+            rng = make_rng(seed, _generate_state(config.base_seed, wid))  # type: ignore[no-untyped-call]
+            _set_thread_worker_info(thread_worker_info(rng=rng, **fields))
+        else:
+            _set_worker_info(WorkerInfo(**fields))
         if is_datapipe(self.dataset):
             # As torch's workers do, before the user's worker_init_fn.
             shard_in_worker(self.dataset, config.num_workers, wid, config.world_size, config.rank)

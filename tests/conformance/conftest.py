@@ -12,6 +12,7 @@ run, never from constants.
 from __future__ import annotations
 
 import gc
+import inspect
 import math
 import multiprocessing
 import multiprocessing.forkserver
@@ -19,7 +20,7 @@ import multiprocessing.resource_tracker
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import psutil
@@ -33,9 +34,34 @@ from tests.helpers import ignore_fork_in_threads
 T = TypeVar("T")
 
 TorchDataLoader = torch.utils.data.DataLoader
+T_co = TypeVar("T_co", covariant=True)
+
+
+class ThreadDataLoader(aioload.DataLoader[T_co], Generic[T_co]):
+    """aioload's loader with thread workers by default: the same contract, every scenario
+    that starts workers running them as threads of this process (``_backends.thread``)."""
+
+    def __init__(self, *args: Any, worker_method: str = "thread", **kwargs: Any) -> None:
+        super().__init__(*args, worker_method=worker_method, **kwargs)
+
+
+# Its signature is aioload's, worker_method's default aside (the argument tests read it).
+_signature = inspect.signature(aioload.DataLoader.__init__)
+ThreadDataLoader.__init__.__signature__ = _signature.replace(  # type: ignore[attr-defined]
+    parameters=[
+        p.replace(default="thread") if p.name == "worker_method" else p
+        for p in _signature.parameters.values()
+    ]
+)
+# torch's messages name the class (``self.__class__.__name__``): the same as the others'.
+ThreadDataLoader.__name__ = ThreadDataLoader.__qualname__ = "DataLoader"
+
+
 LOADERS: dict[str, type[torch.utils.data.DataLoader[Any]]] = {
     "torch": TorchDataLoader,
     "aioload": aioload.DataLoader,
+    # One contract for every backend: the same scenarios over worker threads.
+    "aioload-thread": ThreadDataLoader,
 }
 
 _REFERENCES: dict[tuple[str, ...], Any] = {}
@@ -48,7 +74,13 @@ def loader_cls(request: pytest.FixtureRequest) -> type[torch.utils.data.DataLoad
 
 @pytest.fixture
 def is_aioload(loader_cls: type[Any]) -> bool:
-    return loader_cls is aioload.DataLoader
+    return issubclass(loader_cls, aioload.DataLoader)
+
+
+@pytest.fixture
+def is_thread(loader_cls: type[Any]) -> bool:
+    """Whether the scenario's workers are threads (``worker_method="thread"``)."""
+    return loader_cls is ThreadDataLoader
 
 
 class Reference:
@@ -192,5 +224,13 @@ def xfail_aioload(request: pytest.FixtureRequest, reason: str) -> None:
     """Mark the ``aioload`` parametrization of this test as a known deviation: strict, so the
     test fails (and the marker must go) once the deviation is fixed. The ``torch``
     parametrization runs as usual."""
-    if request.getfixturevalue("loader_cls") is aioload.DataLoader:
+    if issubclass(request.getfixturevalue("loader_cls"), aioload.DataLoader):
         request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+
+
+def thread_deviation(request: pytest.FixtureRequest, reason: str) -> bool:
+    """Whether this test runs over thread workers, where ``reason`` says why its scenario does
+    not apply as it is (a documented deviation of ``worker_method="thread"``; the test then
+    checks the deviation itself)."""
+    del reason  # (for the reader: each call says why)
+    return request.getfixturevalue("loader_cls") is ThreadDataLoader

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,28 +45,45 @@ class WorkerReport(Dataset[dict[str, Any]]):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         info = torch.utils.data.get_worker_info()
+        # A thread worker's own generators are its info's (worker_method="thread"): the
+        # process-wide ones are every thread's. They are seeded as a process worker's
+        # globals are, so the draws compare with torch's all the same.
+        rng = getattr(info, "rng", None) if _is_thread(info) else None
         return {
             "index": i,
             "worker_id": -1 if info is None else info.id,
             "num_workers": 0 if info is None else info.num_workers,
             "seed": -1 if info is None else info.seed,
-            "initial_seed": torch.initial_seed(),
+            "initial_seed": torch.initial_seed()
+            if rng is None
+            else rng.torch_generator.initial_seed(),
             "dataset_type": "" if info is None else type(info.dataset).__name__,
             "dataset_is_self": info is not None and info.dataset is self,
-            "torch": torch.rand(()).item(),
-            "random": random.random(),
-            "numpy": int(np.random.randint(0, 2**31)),
+            "torch": (
+                torch.rand(()) if rng is None else torch.rand((), generator=rng.torch_generator)
+            ).item(),
+            "random": (random if rng is None else rng.random_generator).random(),
+            "numpy": int((np.random if rng is None else rng.numpy_generator).randint(0, 2**31)),
             "pid": os.getpid(),
             "ppid": os.getppid(),
-            "init_mark": os.environ.get("CONFORMANCE_INIT_MARK", ""),
+            "thread": threading.get_ident(),
+            "init_mark": getattr(_init_marks, "mark", ""),
         }
+
+
+def _is_thread(info: Any) -> bool:
+    return info is not None and getattr(info, "worker_method", None) == "thread"
+
+
+# What worker_init_fn marks, per thread: a worker process's only thread, or a worker thread.
+_init_marks = threading.local()
 
 
 def mark_worker(worker_id: int) -> None:
     """A worker_init_fn whose effect the samples can see (``WorkerReport.init_mark``)."""
     info = torch.utils.data.get_worker_info()
     assert info is not None and info.id == worker_id
-    os.environ["CONFORMANCE_INIT_MARK"] = f"init-{worker_id}-of-{info.num_workers}"
+    _init_marks.mark = f"init-{worker_id}-of-{info.num_workers}"
 
 
 class Failing(Dataset[int]):

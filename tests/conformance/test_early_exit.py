@@ -14,6 +14,7 @@ from typing import Any
 import psutil
 import pytest
 
+from ..leaks import worker_threads
 from .conftest import Reference, outcome
 from .datasets import Indices, Tensors
 
@@ -45,11 +46,12 @@ def _fd_targets() -> list[str]:
 
 
 def _live_children(wait: float = 5.0) -> int:
-    """Children still alive once the ones that are exiting have had ``wait`` seconds."""
+    """Workers still alive once the ones that are exiting have had ``wait`` seconds: child
+    processes, or (``worker_method="thread"``) aioload's worker threads."""
     gc.collect()
     children = psutil.Process().children(recursive=True)
     _, alive = psutil.wait_procs(children, timeout=wait)
-    return len(alive)
+    return len(alive) + len(worker_threads(wait))
 
 
 def _remove_orphaned_torch_segments(before: set[str]) -> None:
@@ -151,7 +153,7 @@ def test_persistent_workers_many_epochs_do_not_grow(
             gc.collect()
             fds.append(_fds())
         growth = _settled_fds(fds[2]) - fds[2]
-        children = len(psutil.Process().children(recursive=True))
+        children = len(psutil.Process().children(recursive=True)) + len(worker_threads())
         del loader
         return {"totals": totals, "children": children, "fd_growth": growth}
 

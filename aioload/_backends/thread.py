@@ -1,0 +1,497 @@
+"""Workers as threads of the consumer's process (``worker_method="thread"``).
+
+The fourth ``_backends.base.WorkerBackend``, beside processes, the calling process and Ray.
+Each worker slot is one daemon thread running a ``_worker.main.WorkerStep`` made for it
+(``place="thread"``): the same fetch, collate, ``worker_init_fn``, seeds and error wrapping as
+a worker process, on the one dataset object every thread shares.
+
+- **Tasks in, answers out, by reference.** Each thread takes its ``Reset``/``Task`` messages
+  from an inbox of its own (``queue.SimpleQueue``) and puts its ``Answer`` on one queue the
+  backend drains in ``poll``: a batch is handed over as the object the collate made. No
+  pickling, no slabs, nothing in ``/dev/shm``.
+- **The wake-up.** After putting an answer, a thread writes a byte to a pipe; that pipe is
+  what the backend offers the engine to sleep on (``waitable``), as Ray's waiter thread does,
+  so ``for``, asyncio, uvloop and trio all wait alike. ``poll`` empties the pipe before the
+  queue, so an answer put after the queue was emptied always leaves a byte behind it.
+- **No state shared under the GIL alone.** Whatever a thread and the engine both touch is a
+  queue, or is behind ``_Shared.lock`` (the pass's generation, whether the backend is closed,
+  which incarnation holds a slot): the backend is correct on a free-threaded build.
+- **A stuck thread is abandoned.** A thread cannot be killed. ``abandon`` (a task past
+  ``timeout``) marks the thread's incarnation dead, reports it lost, and a replacement takes
+  its slot (``restart``); the stuck thread's late answer, if it ever comes, is dropped, so the
+  engine's exactly-once holds. Threads are daemons and ``close`` joins them for a bounded
+  grace only, so a stuck one never blocks a pass's end or the interpreter's exit.
+- **Async datasets.** A thread of an async dataset runs an event loop of its own (uvloop where
+  installed), and awaits each task's fetch on it, with ``worker_concurrency`` samples in
+  flight within the task.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import queue
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from .._aio.waiting import Descriptor
+from .._wire.messages import (
+    Answer,
+    Event,
+    PassPlan,
+    Produced,
+    Reset,
+    SetConcurrency,
+    Task,
+    WorkerLost,
+    failed_in_setup,
+    outcome_of,
+)
+from ..errors import WorkerDiedError
+from .base import BackendTraits, TunableBackend, Waitable, WorkerBackend, WorkerSpec
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from .._worker.main import StepResult, WorkerStep
+
+__all__ = ["THREAD", "ThreadBackend"]
+
+# Threads start in microseconds (made on the pass's first next(), in the caller's thread),
+# and fetch ahead of the consumer as processes do.
+THREAD = BackendTraits(slow_start=False, runs_ahead=True)
+# The longest the engine sleeps without a poll: a thread's end is announced through the pipe
+# as an answer is, so this only bounds the sleep.
+_HEALTH_CHECK_S = 1.0
+# How long close() waits, in all, for the threads to finish the task in hand and leave.
+_CLOSE_GRACE_S = 0.5
+# A thread's inbox: this ends the thread.
+_STOP: Any = object()
+# Names threads across backends, for describe() and stack dumps.
+_serial = itertools.count()
+
+
+class _Shared:
+    """What the engine and the worker threads both touch, behind one lock (see the module's
+    docstring): the answers, the wake-up pipe, the pass's generation."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        # (worker incarnation, answer or loss) from the threads, drained by poll.
+        self.answers: queue.SimpleQueue[tuple[_ThreadWorker, Event]] = queue.SimpleQueue()
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        self.closed = False
+        self.generation = 0
+
+    def put(self, worker: _ThreadWorker, event: Event) -> None:
+        """From a worker thread: an answer (or its own end), and a byte to wake the engine."""
+        self.answers.put((worker, event))
+        with self.lock:
+            if self.closed:
+                return  # (the pipe is closed: its number may be another file's by now)
+            with contextlib.suppress(BlockingIOError):  # full: readable anyway
+                os.write(self.wake_w, b"\0")
+
+    def current(self, generation: int) -> bool:
+        """Whether a task of ``generation`` is still wanted (not a pass left, not closed)."""
+        with self.lock:
+            return not self.closed and generation >= self.generation
+
+    def drain_wake(self) -> None:
+        with self.lock, contextlib.suppress(BlockingIOError, OSError):
+            while not self.closed and os.read(self.wake_r, 4096):
+                pass
+
+    def close(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+
+
+class _ThreadWorker:
+    """One incarnation of a worker slot: its thread and its inbox. A replacement is a new
+    incarnation in the same slot; the old one's answers are dropped (``poll``)."""
+
+    def __init__(self, backend: ThreadBackend, worker_id: int) -> None:
+        self.worker_id = worker_id
+        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.shared = backend.shared
+        spec = backend.spec
+        # As a local process gets them (payload: the objects themselves, shared), but with
+        # torch's default collate stacking privately: no slab in a thread.
+        self.config = spec.worker_config(
+            worker_id,
+            backend.base_seed,
+            backend.generation,
+            payload=(spec.dataset, spec.collate_fn, spec.worker_init_fn),
+            shared_memory=False,
+        )._replace(slab_collate=spec.slab_collate)
+        self.thread = threading.Thread(
+            target=self._run, name=f"aioload-worker-{worker_id}-{next(_serial)}", daemon=True
+        )
+        self.thread.start()
+
+    # -- in the worker thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        from .._worker.info import _set_thread_worker_info, install_thread_hook
+        from .._worker.main import WorkerStep
+
+        install_thread_hook()
+        try:
+            # Made here: worker_init_fn and get_worker_info() are this thread's.
+            step = WorkerStep(self.config, slabs=None, place="thread")
+            if step.is_async:
+                self._serve_async(step)
+            else:
+                self._serve(step)
+        except BaseException as error:  # (reported as the worker's loss)
+            message = f"DataLoader worker (thread {self.thread.name}) ended unexpectedly: {error!r}"
+            lost = WorkerDiedError(message, worker_id=self.worker_id)
+            self.shared.put(self, WorkerLost(self.worker_id, lost))
+        finally:
+            _set_thread_worker_info(None)
+
+    def _serve(self, step: WorkerStep) -> None:
+        while (message := self.inbox.get()) is not _STOP:
+            if isinstance(message, Reset):
+                if step.accepts(message):
+                    step.generation = message.generation
+                    step.new_pass(message.plan)
+                    _refuse_shared_iterator(step)
+            elif isinstance(message, SetConcurrency):
+                step.set_concurrency(message.concurrency)
+            elif self.shared.current(message.generation):
+                started = time.perf_counter()
+                self._answer(step, message, step.run(message), started)
+
+    def _serve_async(self, step: WorkerStep) -> None:
+        from .._worker.main import _new_event_loop
+
+        loop = _new_event_loop()
+        try:
+            loop.run_until_complete(step.finish_async_init())
+            entered = loop.run_until_complete(step.enter_async_context())
+            try:
+                self._serve_on(loop, step)
+            finally:
+                if step.fetcher is not None:
+                    with contextlib.suppress(Exception):
+                        loop.run_until_complete(step.fetcher.aclose())
+                if entered:
+                    with contextlib.suppress(Exception):
+                        loop.run_until_complete(step.dataset.__aexit__(None, None, None))
+        finally:
+            with contextlib.suppress(Exception):
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    def _serve_on(self, loop: asyncio.AbstractEventLoop, step: WorkerStep) -> None:
+        """An async dataset's tasks, one after another, each awaited on this thread's loop
+        (its samples ``worker_concurrency`` at a time)."""
+        while (message := self.inbox.get()) is not _STOP:
+            if isinstance(message, Reset):
+                if step.accepts(message):
+                    step.generation = message.generation
+                    if step.iterable:
+                        loop.run_until_complete(step.start_async_stream(message.plan))
+                    else:
+                        step.new_async_pass(message.plan)
+            elif isinstance(message, SetConcurrency):
+                step.set_concurrency(message.concurrency)
+            elif self.shared.current(message.generation):
+                started = time.perf_counter()
+                result = loop.run_until_complete(step.run_async(message))
+                self._answer(step, message, result, started)
+
+    def _answer(self, step: WorkerStep, task: Task, result: StepResult, started: float) -> None:
+        answer = Answer(
+            self.worker_id,
+            task.task_id,
+            outcome_of(result, _by_reference),
+            step.point_of(result),
+            time.perf_counter() - started,
+        )
+        # (The fetcher keeps a batch's samples until it is sent: it is, now.)
+        forget = getattr(step.fetcher, "forget", None)
+        if forget is not None:
+            forget()
+        self.shared.put(self, answer)
+
+
+def _by_reference(result: Produced) -> Any:
+    # The batch as the collate made it: the consumer's process is this one.
+    return result.data
+
+
+def _refuse_shared_iterator(step: WorkerStep) -> None:
+    """An IterableDataset that is its own iterator (``__iter__`` returns ``self``) has one
+    stream, which every thread worker would draw from at once: each worker's stream is its
+    own only where ``iter(dataset)`` makes a new iterator. This pass fails with a message
+    that says so (a process worker has a copy of the dataset, so it never meets this)."""
+    fetcher = step.fetcher
+    if not (step.iterable and step.config.num_workers > 1 and fetcher is not None):
+        return
+    if getattr(fetcher, "stream", None) is not step.dataset:
+        return
+    try:
+        raise TypeError(
+            f"aioload: {type(step.dataset).__name__}.__iter__ returns the dataset itself, so "
+            f"its {step.config.num_workers} thread workers (worker_method='thread') would share "
+            "one stream; make __iter__ return a new iterator, or use worker_method="
+            "'multiprocessing' (each process has its own copy)"
+        )
+    except TypeError:
+        step.fetch_error = step.error().error
+
+
+class ThreadBackend:
+    """``num_workers`` worker threads in this process (see the module's docstring)."""
+
+    TRAITS: ClassVar[BackendTraits] = THREAD
+
+    def __init__(self, spec: WorkerSpec, base_seed: int) -> None:
+        self.spec = spec
+        self.base_seed = base_seed
+        self.num_workers = spec.num_workers
+        self.retired = False
+        self.closed = False
+        self.generation = 0
+        self.passes = 0
+        self.shared = _Shared()
+        self._descriptor = Descriptor(self.shared.wake_r)
+        self._waitable = Waitable(self._descriptor, _HEALTH_CHECK_S)
+        self.plans: list[PassPlan] = [PassPlan()] * self.num_workers
+        # Slots whose worker was abandoned, to report lost at the next poll.
+        self._abandoned: list[int] = []
+        self.concurrency: int | None = None
+        self.active = self.num_workers
+        self.workers = [_ThreadWorker(self, w) for w in range(self.num_workers)]
+
+    # -- the seam ----------------------------------------------------------------------------
+
+    def start_pass(self, plans: list[PassPlan]) -> None:
+        if self.closed:
+            raise RuntimeError("aioload: the worker threads have been shut down")
+        self.plans = list(plans)
+        if self.passes:
+            self.generation += 1
+            with self.shared.lock:
+                self.shared.generation = self.generation
+        self.passes += 1
+        for worker in self.workers:
+            worker.inbox.put(Reset(self.generation, self.plans[worker.worker_id]))
+
+    def submit(self, worker_id: int, task_id: int, indices: Any) -> None:
+        self.workers[worker_id].inbox.put(Task(task_id, self.generation, indices))
+
+    def poll(self) -> list[Event]:
+        shared = self.shared
+        shared.drain_wake()  # first: see _Shared
+        events: list[Event] = []
+        while True:
+            try:
+                worker, event = shared.answers.get_nowait()
+            except queue.Empty:
+                break
+            if worker is not self.workers[worker.worker_id]:
+                continue  # an abandoned incarnation's late answer: its tasks went again
+            if isinstance(event, Answer) and failed_in_setup(event):
+                self.retired = True
+            events.append(event)
+        for worker_id in self._abandoned:
+            events.append(WorkerLost(worker_id, self._abandoned_error(worker_id)))
+        self._abandoned.clear()
+        return events
+
+    def waitable(self, awaited: int | None = None) -> Waitable:
+        """The wake-up pipe, which every answer writes to (whichever worker's: ``awaited`` is
+        not needed, an answer costs the engine no read of a socket)."""
+        return self._waitable
+
+    def restart(self, worker_id: int, plan: PassPlan | None = None) -> None:
+        """A new thread in the slot, on this pass's plan (or ``plan``). The one it replaces
+        was abandoned (``abandon``) or ended; its late answers are dropped."""
+        if plan is not None:
+            self.plans[worker_id] = plan
+        old = self.workers[worker_id]
+        old.inbox.put(_STOP)
+        replacement = _ThreadWorker(self, worker_id)
+        self.workers[worker_id] = replacement
+        replacement.inbox.put(Reset(self.generation, self.plans[worker_id]))
+        if self.concurrency is not None:
+            replacement.inbox.put(SetConcurrency(self.concurrency))
+
+    def abandon(self, worker_id: int) -> None:
+        """A thread that stopped answering cannot be killed: it is left to finish (or never
+        finish) its sample as a daemon, and reported lost at the next poll."""
+        worker = self.workers[worker_id]
+        worker.inbox.put(_STOP)  # it leaves if its sample ever ends
+        self._abandoned.append(worker_id)
+
+    def retire(self) -> None:
+        self.retired = True
+
+    def describe(self, worker_id: int) -> str:
+        return f"thread {self.workers[worker_id].thread.name}"
+
+    def activate(self, count: int) -> None:
+        """num_workers="auto": every thread is already running (an idle one costs nothing but
+        its stack); the engine dispatches to the first ``count``."""
+        self.active = max(1, min(self.num_workers, count))
+
+    def set_concurrency(self, concurrency: int) -> None:
+        self.concurrency = concurrency
+        for worker in self.workers:
+            worker.inbox.put(SetConcurrency(concurrency))
+
+    def close(self, grace: float = _CLOSE_GRACE_S) -> None:
+        """Tell every thread to leave after the task in hand, and wait for them a bounded
+        while; one still in a sample after that is abandoned (a daemon: it never holds up
+        the interpreter's exit). Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.retired = True
+        for worker in self.workers:
+            worker.inbox.put(_STOP)
+        # Closed first: a thread between two tasks skips what is left in its inbox.
+        self.shared.close()
+        deadline = time.monotonic() + grace
+        for worker in self.workers:
+            if worker.thread is not threading.current_thread():
+                worker.thread.join(max(0.0, deadline - time.monotonic()))
+        # Answers nobody will read: let their batches go now.
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self.shared.answers.get_nowait()
+
+    def _abandoned_error(self, worker_id: int) -> WorkerDiedError:
+        name = self.workers[worker_id].thread.name
+        return WorkerDiedError(
+            f"DataLoader worker (thread {name}) stopped answering and was abandoned: a "
+            "thread cannot be killed, so it is left to finish its sample in the background, "
+            "and its answer will be dropped.",
+            worker_id=worker_id,
+        )
+
+
+def _conforms(backend: ThreadBackend) -> tuple[WorkerBackend, TunableBackend]:
+    # Type-checked: the backend honours the seam, and the controller's optional part of it.
+    return backend, backend
+
+
+# -- worker_method="auto" ------------------------------------------------------------------------
+
+# How long each half of the trial fetches (one thread, then the workers' threads at once).
+_TRIAL_S = 0.15
+# The most samples one thread fetches in a half (a fast dataset is decided in far less time).
+_TRIAL_MAX_SAMPLES = 256
+# Threads are chosen where n threads fetch at least this share of n times what one does: what
+# n processes would reach on n free cores, less what they spend on shared memory and pickling.
+_THREADS_AT_LEAST = 0.9
+
+
+def choose_worker_method(spec: WorkerSpec, cores: int) -> dict[str, Any]:
+    """``worker_method="auto"``, decided once per loader, before its first pass with
+    workers: threads on a free-threaded interpreter; otherwise a short trial in this process
+    measures how the dataset's samples scale across threads (the GIL decides it: decoding and
+    I/O release it, pure-Python samples do not) and threads are chosen where
+    ``n = min(num_workers, cores)`` threads fetch at least ``_THREADS_AT_LEAST * n`` times
+    what one thread does. The trial restores the process-wide generators it may have drawn
+    from. Returns the choice with its reason and figures (``stats()["tuning"]``)."""
+    choice: dict[str, Any] = {"auto": True}
+    is_gil_enabled = getattr(sys, "_is_gil_enabled", None)
+    if is_gil_enabled is not None and not is_gil_enabled():
+        return {**choice, "value": "thread", "reason": "free-threaded interpreter"}
+    workers = max(1, min(spec.num_workers, cores))
+    dataset = spec.dataset
+    from .._worker.async_detect import is_async_dataset
+    from .._worker.fetch import is_stateful
+
+    untried = None
+    if spec.dataset_kind == 1:
+        untried = "an IterableDataset is not tried (its stream would be drawn from)"
+    elif is_async_dataset(dataset, spec.dataset_kind) or is_stateful(dataset):
+        untried = "an async or Stateful dataset is not tried"
+    elif workers < 2:
+        untried = "one usable core: threads cannot run in parallel"
+    if untried is not None:
+        return {**choice, "value": "multiprocessing", "reason": untried}
+    try:
+        one, many = _trial(dataset, workers)
+    except Exception as error:
+        return {**choice, "value": "multiprocessing", "reason": f"the trial failed: {error!r}"}
+    speedup = many / one if one > 0 else 0.0
+    threads = speedup >= _THREADS_AT_LEAST * workers
+    return {
+        **choice,
+        "value": "thread" if threads else "multiprocessing",
+        "reason": (
+            f"{workers} threads fetched {speedup:.2f}x what one did "
+            f"({'at least' if threads else 'under'} {_THREADS_AT_LEAST * workers:.2f}x)"
+        ),
+        "samples_per_s_one_thread": round(one, 1),
+        f"samples_per_s_{workers}_threads": round(many, 1),
+    }
+
+
+def _trial(dataset: Any, workers: int) -> tuple[float, float]:
+    """Samples per second of one thread, then of ``workers`` threads at once, each fetching
+    for ``_TRIAL_S`` (map-style: indices from 0 on, wrapping round)."""
+    from .._worker.fetch import RngStates
+
+    size = len(dataset)
+    if size == 0:
+        raise ValueError("an empty dataset")
+    saved = RngStates()
+    try:
+        one = _rate(dataset, size, 1)
+        many = _rate(dataset, size, workers)
+    finally:
+        saved.install()
+    return one, many
+
+
+def _rate(dataset: Any, size: int, workers: int) -> float:
+    counts = [0] * workers
+    errors: list[BaseException] = []
+    start = threading.Barrier(workers + 1)
+
+    def fetch(k: int) -> None:
+        try:
+            start.wait()
+            deadline = time.perf_counter() + _TRIAL_S
+            index = k
+            while counts[k] < _TRIAL_MAX_SAMPLES and time.perf_counter() < deadline:
+                dataset[index % size]
+                counts[k] += 1
+                index += workers
+        except BaseException as error:  # (reported to the caller)
+            errors.append(error)
+
+    threads = [
+        threading.Thread(target=fetch, args=(k,), name="aioload-trial", daemon=True)
+        for k in range(workers)
+    ]
+    for thread in threads:
+        thread.start()
+    began = time.perf_counter()
+    start.wait()
+    for thread in threads:
+        # (Bounded: a sample that hangs here leaves the choice to processes.)
+        thread.join(_TRIAL_S * 20)
+    took = time.perf_counter() - began
+    if errors:
+        raise errors[0]
+    if any(thread.is_alive() for thread in threads):
+        raise TimeoutError("a sample took too long")
+    return sum(counts) / took if took > 0 else 0.0
