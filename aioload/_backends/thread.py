@@ -343,6 +343,14 @@ class ThreadBackend:
     def describe(self, worker_id: int) -> str:
         return f"thread {self.workers[worker_id].thread.name}"
 
+    def dump_stack(self, worker_id: int) -> str | None:
+        """The worker thread's stack (the hang report): a thread of this process, read with
+        no help from it, so a stuck one answers too."""
+        from .._worker.stacks import format_threads  # (only a hang report needs it)
+
+        ident = self.workers[worker_id].thread.ident
+        return format_threads([ident]) if ident is not None else None
+
     def activate(self, count: int) -> None:
         """num_workers="auto": every thread is already running (an idle one costs nothing but
         its stack); the engine dispatches to the first ``count``."""
