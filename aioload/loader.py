@@ -170,6 +170,16 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         RuntimeError: `device` is an accelerator type or index that is not there.
     """
 
+    # Between passes (_init_between_passes says what each is).
+    _pass_stats: PassStats | None
+    _next_epoch: int
+    _sample_seed: int | None
+    _latest_pass: PassProgress | None
+    _pending_resume: PassProgress | None
+    _pending_in_progress: bool
+    _pool_seed: int | None
+    _shared_seeds: SharedSeeds
+
     def __init__(
         self,
         dataset: Dataset[T_co],
@@ -190,7 +200,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
-        worker_method: str = "multiprocessing",
+        worker_method: Literal["multiprocessing", "thread", "auto"] = "multiprocessing",
         device: str | torch.device | None = None,
         max_worker_restarts: int = 0,
         seed_per_sample: bool = False,
@@ -266,25 +276,18 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         )
         self.device = extras.device
         self.max_worker_restarts = max_worker_restarts
-        self.worker_method = check_worker_method(  # (see _backends.thread)
+        self.worker_method = check_worker_method(
             worker_method, self.dataset, self.num_workers, workers, seed_per_sample
         )
         self._method_choice: dict[str, Any] | None = None  # worker_method="auto"'s
-        # None: local worker processes; RayWorkers (a WorkerFactory): the num_workers workers
-        # as Ray actors.
-        self.workers = workers
+        self.workers = workers  # None: local workers; RayWorkers: Ray actors
         self.worker_concurrency = extras.worker_concurrency
-        # Bad samples (docs/reliability.md, "Bad samples"): skipped or raised after retries,
-        # each skip recorded, within a cap per pass.
+        # Bad samples (docs/reliability.md): skipped or raised, each skip recorded, capped.
         self.on_sample_error = on_sample_error
         self.max_skipped = max_skipped
         self.sample_retries = sample_retries
         self.seed_per_sample = bool(seed_per_sample)
-        # torchdata's StatefulDataLoader argument, accepted so that its users change only the
-        # import. There it says how often workers send their dataset's state (a checkpoint
-        # between two snapshots re-reads the batches since the last one on resume); here the
-        # state comes with every batch that needs it, so a checkpoint is exact at every step
-        # and the value changes nothing (docs/resume.md).
+        # torchdata's: here a checkpoint is exact at every step (docs/resume.md).
         self.snapshot_every_n_steps = extras.snapshot_every_n_steps
         self.hang_report_after = extras.hang_report_after
         # Every argument reads back under its own name (Lightning rebuilds a DataLoader subclass
@@ -301,23 +304,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         self.progress = progress
         # Which workers a pass runs on: fresh ones, or (persistent_workers) those kept.
         self._workers = BackendKeeper(self, self.persistent_workers)
-        # The counters of the newest pass (kept after it ends, for stats()).
-        self._pass_stats: PassStats | None = None
-        # Epochs: the number the next pass gets (set_epoch, or one more than the last pass).
-        self._next_epoch = 0
-        # seed_per_sample's base seed: the first pass's base seed, kept for the loader's life
-        # so that every epoch (and a resumed run) seeds sample i the same way.
-        self._sample_seed: int | None = None
-        # The latest pass, as state_dict() reports it; and a loaded state waiting for the next
-        # pass to pick it up.
-        self._latest_pass: PassProgress | None = None
-        self._pending_resume: PassProgress | None = None
-        self._pending_in_progress = False
-        # The base seed of the kept workers (persistent_workers), for a state taken between
-        # passes: a resumed run starts its workers with it.
-        self._pool_seed: int | None = None
-        # An IterDataPipe's per-pass shuffle seed, shared by the workers (and the ranks).
-        self._shared_seeds = SharedSeeds()
+        _init_between_passes(self)
         # What the first pass runs here, imported now rather than inside its clock (_aio.lazy_import).
         _lazy.warm(self.num_workers)
 
@@ -428,22 +415,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         """Whether the next pass runs on the live persistent workers (and so draws no seed)."""
         return self.num_workers > 0 and self._workers.reusable()
 
-    def _generators(self) -> list[torch.Generator]:
-        """The random generators the sampler order is drawn from (the loader's, and any the
-        samplers hold), each once."""
-        found: list[torch.Generator] = []
-        candidates = [self.generator, self.sampler, self.batch_sampler]
-        candidates += [getattr(self.batch_sampler, "sampler", None)]
-        for candidate in candidates:
-            generator = (
-                candidate
-                if isinstance(candidate, torch.Generator)
-                else getattr(candidate, "generator", None)
-            )
-            if isinstance(generator, torch.Generator) and all(g is not generator for g in found):
-                found.append(generator)
-        return found
-
     @property
     def _index_sampler(self) -> Any:
         """What a pass draws its indices from: this rank's shard under ``shard="auto"``, else
@@ -521,6 +492,27 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
     def shutdown(self) -> None:
         """Stop persistent workers now rather than when the loader is collected."""
         self._workers.shutdown()
+
+
+def _init_between_passes(loader: DataLoader[Any]) -> None:
+    """What a new loader holds between its passes (declared on the class)."""
+    # The counters of the newest pass (kept after it ends, for stats()).
+    loader._pass_stats = None
+    # Epochs: the number the next pass gets (set_epoch, or one more than the last pass).
+    loader._next_epoch = 0
+    # seed_per_sample's base seed: the first pass's base seed, kept for the loader's life
+    # so that every epoch (and a resumed run) seeds sample i the same way.
+    loader._sample_seed = None
+    # The latest pass, as state_dict() reports it; and a loaded state waiting for the next
+    # pass to pick it up.
+    loader._latest_pass = None
+    loader._pending_resume = None
+    loader._pending_in_progress = False
+    # The base seed of the kept workers (persistent_workers), for a state taken between
+    # passes: a resumed run starts its workers with it.
+    loader._pool_seed = None
+    # An IterDataPipe's per-pass shuffle seed, shared by the workers (and the ranks).
+    loader._shared_seeds = SharedSeeds()
 
 
 class _SyncIterator:

@@ -429,6 +429,17 @@ def _map_slab(worker: _WorkerHandle, result: SlabBatch) -> BaseException | None:
     return None
 
 
+def _rebuilt(worker: _WorkerHandle, reply: Reply) -> Answer:
+    """The engine's answer for a reply of the current pass. A batch that cannot be rebuilt
+    here (a class its pickle names fails to load, a slab missing) is this batch's error, in
+    its turn, and not an exception out of ``poll`` that would lose every answer read after it."""
+    try:
+        return answer_to(worker.worker_id, reply, worker.batch_value)
+    except Exception as error:
+        outcome = Raised(error)
+        return Answer(worker.worker_id, reply.task_id, outcome, reply.stream, reply.busy_s)
+
+
 def _unmapped(worker: _WorkerHandle, reply: Reply, error: BaseException) -> Answer:
     """The answer to a batch whose slab never reached this process: ``error`` in its turn.
     The worker is told to forget the slab (it must never put a batch in it again: this
@@ -800,14 +811,7 @@ class WorkerPool:
                 self.releases.append((worker, result.slab_id))
         if not current:
             return None
-        try:
-            answer = answer_to(worker.worker_id, reply, worker.batch_value)
-        except Exception as error:
-            # A batch that cannot be rebuilt here (a class its pickle names fails to load, a
-            # slab missing): this batch's error, in its turn, and not an exception out of
-            # ``poll`` that would lose every answer read after it.
-            outcome = Raised(error)
-            return Answer(worker.worker_id, reply.task_id, outcome, reply.stream, reply.busy_s)
+        answer = _rebuilt(worker, reply)
         # (A batch, nearly every answer, is no failure: asked without a call.)
         if type(answer.outcome) is not Batch and failed_in_setup(answer):
             self.retired = True

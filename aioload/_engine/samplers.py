@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.utils.data
 
-__all__ = ["RandomSampler", "is_replayed", "use_stateful_shuffle"]
+__all__ = ["RandomSampler", "is_replayed", "loader_generators", "use_stateful_shuffle"]
 
 
 def use_stateful_shuffle(loader: Any, generator: torch.Generator | None) -> None:
@@ -164,3 +164,20 @@ def _decode(text: Any) -> torch.Tensor:
     if isinstance(text, torch.Tensor):
         return text
     return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
+
+
+def loader_generators(loader: Any) -> list[torch.Generator]:
+    """The random generators the sampler order is drawn from (the loader's, and any the
+    samplers hold), each once."""
+    found: list[torch.Generator] = []
+    candidates = [loader.generator, loader.sampler, loader.batch_sampler]
+    candidates += [getattr(loader.batch_sampler, "sampler", None)]
+    for candidate in candidates:
+        generator = (
+            candidate
+            if isinstance(candidate, torch.Generator)
+            else getattr(candidate, "generator", None)
+        )
+        if isinstance(generator, torch.Generator) and all(g is not generator for g in found):
+            found.append(generator)
+    return found

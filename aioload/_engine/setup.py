@@ -44,6 +44,7 @@ from .resume import (
     next_points,
     start_points,
 )
+from .samplers import loader_generators
 from .state_format import ParsedState, check_fit
 from .tuning import PassTuning, auto_arguments, usable_cores
 
@@ -494,8 +495,6 @@ class LoaderView(Protocol):
 
     def _pool_reusable(self) -> bool: ...
 
-    def _generators(self) -> list[torch.Generator]: ...
-
     def _transfer(self) -> Transfer | None: ...
 
 
@@ -641,7 +640,7 @@ def pass_setup(loader: LoaderView, offload_inline: bool) -> tuple[PassSetup, Bac
         in_progress=in_progress,
         reuse_workers=reuse_workers,
         index_sampler=loader._index_sampler,
-        generators=loader._generators(),
+        generators=loader_generators(loader),
         draw_base_seed=lambda: draw_base_seed(loader),
         sample_seed=loader._sample_seed,
         seed_per_sample=loader.seed_per_sample,
@@ -769,7 +768,7 @@ def fit_state(loader: LoaderView, parsed: ParsedState) -> None:
                 "with the same sampler"
             )
     # Checked now: a mismatch found when the next pass starts would drop the state.
-    check_generator_count(progress.rng["generators"], loader._generators())
+    check_generator_count(progress.rng["generators"], loader_generators(loader))
 
 
 def pass_length(loader: LoaderView) -> int | None:
@@ -786,7 +785,10 @@ def next_pass_progress(loader: LoaderView) -> PassProgress:
     iterable = loader._dataset_kind == 1
     return PassProgress(
         epoch=loader._next_epoch,
-        rng={"torch": torch.get_rng_state(), "generators": generator_states(loader._generators())},
+        rng={
+            "torch": torch.get_rng_state(),
+            "generators": generator_states(loader_generators(loader)),
+        },
         sample_seed=loader._sample_seed,
         iterable=iterable,
         num_streams=max(1, loader.num_workers),
