@@ -216,7 +216,12 @@ class _IdleCpus:
 
 def batch_bytes(batch: Any, depth: int = 0) -> int:
     """Bytes of a batch's tensors and arrays (in lists, tuples and dicts, a few levels deep)."""
-    nbytes = getattr(batch, "nbytes", None)
+    try:
+        nbytes = getattr(batch, "nbytes", None)
+    except Exception:
+        # A sparse tensor has no nbytes (its dense size below stands in), and a user's object
+        # may raise anything: this is an estimate, which must never end the pass.
+        nbytes = None
     if isinstance(nbytes, int):
         return nbytes
     element_size = getattr(batch, "element_size", None)

@@ -15,14 +15,6 @@ from .datasets import FetchLog, Gated, Indices, Sleepy, fetched
 
 RUNS = itertools.count()  # unique file names: a scenario may run more than once per test
 
-LAZY_REFILL = (
-    "accidental: torch sends the next index task as it hands a batch over (_process_data -> "
-    "_try_put_index), so after k batches it has sent prefetch_factor*num_workers + k tasks; "
-    "aioload refills at the next __next__ (_Orchestrator.step dispatches before it delivers), "
-    "one task fewer. Fix in _orchestrator.py (seam's area): dispatch after delivering a "
-    "batch when num_workers > 0"
-)
-
 
 def _settled_count(path: Path, at_least: int | None) -> int:
     """How many samples the workers have fetched once they have nothing left to do: wait

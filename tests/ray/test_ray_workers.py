@@ -173,8 +173,11 @@ def test_killed_actors_are_replaced_and_every_index_arrives_once(
     # 2-core machine), so 20 would add about 37 s to a folder that takes ~140 s, past the
     # 3-minute budget. A standby actor would not help on a 2 x 1 CPU cluster (no free CPU).
     kills_wanted = 10
+    # 200 batches, the kills in the first 50: a dead actor is replaced when the pass still
+    # needs it, and the workers run ahead of a late batch by up to 16 prefetch windows
+    # (64 batches here), so a kill near the end could find its actor with nothing left to do.
     loader = aioload.DataLoader(
-        Numbers(120, delay=0.002),
+        Numbers(400, delay=0.002),
         batch_size=2,
         num_workers=2,
         workers=ray_workers,
@@ -187,13 +190,13 @@ def test_killed_actors_are_replaced_and_every_index_arrives_once(
         warnings.simplefilter("always")
         for k, batch in enumerate(loader):
             got.extend(int(i) for i in batch[:, 0])
-            if k % 5 == 2 and len(killed) < kills_wanted:  # 60 batches, a kill every 5
+            if k % 5 == 2 and len(killed) < kills_wanted:  # a kill every 5 batches
                 alive = sorted(alive_actors(), key=lambda a: a.actor_id)
                 pid = alive[len(killed) % len(alive)].pid
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
     assert len(killed) == kills_wanted
-    assert got == list(range(120)), "every index exactly once, in order"
+    assert got == list(range(400)), "every index exactly once, in order"
     restarts = [w for w in caught if "replaced it with a new worker" in str(w.message)]
     assert len(restarts) == kills_wanted
     assert sum(w.restarts for w in loader.stats().workers) == kills_wanted

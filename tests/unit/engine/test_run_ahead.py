@@ -184,3 +184,17 @@ def test_a_checkpoint_taken_while_batches_wait_ahead_resumes_exactly(front: str)
     tail = [b.tolist() for b in resumed]
     assert head + tail == whole
     assert len(whole) == 40
+
+
+def test_batch_bytes_is_an_estimate_that_never_raises() -> None:
+    """A sparse tensor has no ``nbytes`` (torch raises), nor may a user's object in a batch:
+    the run-ahead's memory estimate measures them without ending the pass."""
+    from aioload._engine.tuning import batch_bytes
+
+    class Odd:
+        @property
+        def nbytes(self) -> int:
+            raise ValueError("no size")
+
+    sparse = torch.tensor([[0.0, 2.0], [3.0, 0.0]]).to_sparse()
+    assert batch_bytes({"s": sparse, "odd": Odd(), "x": torch.zeros(4)}) >= 16
