@@ -168,14 +168,7 @@ def section(result: dict[str, Any]) -> str:
 
 
 def write_docs(path: Path, result: dict[str, Any]) -> None:
-    text = path.read_text() if path.exists() else ""
-    block = section(result)
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
+    uneven.write_section(path, section(result), BEGIN, END)
 
 
 def parse_args(argv: list[str]) -> Any:

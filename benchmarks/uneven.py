@@ -239,15 +239,20 @@ def section(result: dict[str, Any]) -> str:
     )
 
 
-def write_docs(path: Path, result: dict[str, Any]) -> None:
+def write_section(path: Path, block: str, begin: str, end: str) -> None:
+    """Put ``block`` (which starts with ``begin`` and ends with ``end``) in place of the page's
+    section between those markers, or at the page's end where it has none."""
     text = path.read_text() if path.exists() else ""
-    block = section(result)
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(text)
+
+
+def write_docs(path: Path, result: dict[str, Any]) -> None:
+    write_section(path, section(result), BEGIN, END)
 
 
 def parse_args(argv: list[str]) -> Any:
