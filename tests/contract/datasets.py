@@ -14,10 +14,9 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import Dataset, get_worker_info
 
 from tests.helpers import within
 
@@ -55,19 +54,6 @@ class FailsAt(Where):
         if index == self.bad:
             raise KeyError(f"sample {index} is missing")
         return super().__getitem__(index)
-
-
-class Sharded(IterableDataset[int]):
-    """Worker ``k`` of ``n`` yields ``k, k + n, k + 2n, ...`` below ``stop``; the calling
-    process, all of them."""
-
-    def __init__(self, stop: int) -> None:
-        self.stop = stop
-
-    def __iter__(self) -> Any:
-        info = get_worker_info()
-        start, step = (0, 1) if info is None else (info.id, info.num_workers)
-        return iter(range(start, self.stop, step))
 
 
 def _wait_for(path: Path) -> None:

@@ -22,8 +22,9 @@ from torch.utils.data import DataLoader as TorchLoader
 
 import aioload
 from tests.contract.conftest import LATE_S, Backend, seeded
-from tests.contract.datasets import FailsAt, Sharded, Where, record_init
+from tests.contract.datasets import FailsAt, Where, record_init
 from tests.helpers import run_on
+from tests.scripts.datasets import Sharded
 
 # torch's own check, against this machine's cores: the fake and threads fork no process.
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")

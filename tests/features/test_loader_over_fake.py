@@ -20,6 +20,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 import aioload
 from aioload._backends.fake import HANG, FakeWorkers
+from tests.scripts.datasets import Sharded
 
 # torch's own check, against this machine's cores: the fake forks no worker.
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -42,18 +43,6 @@ class _Where(Dataset[torch.Tensor]):
                 int(torch.randint(1 << 30, ())),
             ]
         )
-
-
-class _Sharded(IterableDataset[int]):
-    """Worker ``k`` of ``n`` yields ``k, k + n, k + 2n, ...`` below ``stop``."""
-
-    def __init__(self, stop: int) -> None:
-        self.stop = stop
-
-    def __iter__(self) -> Any:
-        info = get_worker_info()
-        start, step = (0, 1) if info is None else (info.id, info.num_workers)
-        return iter(range(start, self.stop, step))
 
 
 def _loader(workers: Any, dataset: Any = None, **options: Any) -> aioload.DataLoader:
@@ -171,7 +160,7 @@ def test_an_iterable_dataset_shards_by_worker_info() -> None:
     # Two workers, each its own stream; batches taken from them in turn, as torch's loader
     # takes them, the shorter stream's end ending only its own share.
     fake = FakeWorkers(delay=lambda task_id: 0.002 * (6 - task_id) if task_id < 6 else 0.0)
-    got = [batch.tolist() for batch in _loader(fake, _Sharded(11), num_workers=2, batch_size=2)]
+    got = [batch.tolist() for batch in _loader(fake, Sharded(11), num_workers=2, batch_size=2)]
     assert got == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9]]
 
 
