@@ -19,7 +19,7 @@ from ._aio import sync_loop as _sync
 from ._backends.base import BackendKeeper
 from ._backends.choice import WorkerFactory
 from ._backends.ray_config import RayWorkers
-from ._engine.orchestrator import END, PENDING, Orchestrator, release_pass_frames
+from ._engine.orchestrator import END, NEEDS_LOOP, Orchestrator, release_pass_frames
 from ._engine.pinning import Transfer, make_transfer, torch_pin_plan
 from ._engine.resume import FORMAT, PassProgress, YieldedPositions
 from ._engine.samplers import use_stateful_shuffle
@@ -438,7 +438,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
 
         Raises:
             Exception: From `next()`: your code's exception, with its type; a `LoaderError`."""
-        iterator = _SyncIterator(pass_engine(self, offload_inline=False), len_fn=self.__len__)
+        iterator = _SyncIterator(pass_engine(self, async_for=False), len_fn=self.__len__)
         if self.progress:
             from . import _progress  # only a loader with a progress bar needs it
 
@@ -456,7 +456,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         Raises:
             Exception: As `__iter__`'s; `RuntimeError` for two `__anext__` at once."""
         _lazy.warm_async()
-        iterator = _AsyncIterator(pass_engine(self, offload_inline=True))
+        iterator = _AsyncIterator(pass_engine(self, async_for=True))
         if self.progress:
             from . import _progress
 
@@ -540,7 +540,7 @@ class _SyncIterator:
             entered = stats.enter()
             try:
                 batch = engine.next_blocking()
-                if batch is PENDING:
+                if batch is NEEDS_LOOP:
                     batch = _sync.run(engine.next())
             except BaseException as error:
                 if not isinstance(error, Exception):

@@ -37,6 +37,7 @@ __all__ = [
     "BackendKeeper",
     "BackendTraits",
     "CallerWork",
+    "Place",
     "TunableBackend",
     "Waitable",
     "WorkerBackend",
@@ -96,6 +97,16 @@ class Waitable(NamedTuple):
     work: CallerWork | None = None
 
 
+class Place(NamedTuple):
+    """Where a worker runs (``WorkerBackend.place``): how error messages and ``stats()`` name
+    it, and whether it has started. A worker not started yet (a staggered start's worker not
+    forked yet, an actor whose node is not known yet) has only a provisional name: the
+    engine asks again after each wait until it has started."""
+
+    name: str
+    started: bool = True
+
+
 class WorkerBackend(Protocol):
     """What the engine needs from whatever runs its workers."""
 
@@ -112,17 +123,23 @@ class WorkerBackend(Protocol):
         ``i`` makes its fetcher from ``plans[i]``."""
 
     def submit(self, worker_id: int, task_id: int, indices: Any) -> None:
-        """Ask worker ``worker_id`` for one batch. May be buffered until ``poll``/``waitable``."""
+        """Ask worker ``worker_id`` for one batch. May be held back until ``flush``."""
 
     def poll(self) -> list[Event]:
-        """Send what was submitted; return every answer and loss that has arrived, without
-        waiting. A lost worker's answers sent before it died come first. Runs at least once
-        per ``Waitable.budget``, so a backend's health checks live here."""
+        """Return every answer and loss that has arrived, without waiting. A lost worker's
+        answers sent before it died come first. Runs at least once per ``Waitable.budget``,
+        so a backend's health checks live here."""
+
+    def flush(self) -> None:
+        """Send what is still held back (what ``submit`` could not write at once, freed slabs
+        for their workers): the engine calls it just before it sleeps, since the workers must
+        have it while the engine sleeps. Nothing else: it starts no worker."""
 
     def waitable(self, awaited: int | None) -> Waitable:
-        """What the engine may sleep on before its next ``poll``, asked just before it sleeps:
-        so a backend also sends here what it still holds back (outboxes), since the workers
-        must have it while the engine sleeps.
+        """What the engine may sleep on before its next ``poll``, asked just before it sleeps
+        (after ``flush``). A question: it sends nothing and starts nothing; where a worker
+        must be started for the answer to come, it offers that as work (``CallerWork``) for
+        the engine to run.
 
         The engine does the waiting, not the backend: it also waits on descriptors of its own
         (the pin stage's), and one sleep must cover both, under asyncio, uvloop and trio and in
@@ -141,10 +158,11 @@ class WorkerBackend(Protocol):
         """Stop a worker that stopped answering; ``poll`` then reports it lost."""
 
     def retire(self) -> None:
-        """Serve out this pass, but no other (a worker is stuck)."""
+        """Serve out this pass, but no other (a worker is stuck): sets ``retired``."""
 
-    def describe(self, worker_id: int) -> str:
-        """How error messages name this worker ("pid 1234", "actor ... on node ...")."""
+    def place(self, worker_id: int) -> Place:
+        """Where this worker runs, as error messages name it ("pid 1234", "actor ... on node
+        ..."), and whether it has started. A query: it never waits."""
 
     def dump_stack(self, worker_id: int) -> str | None:
         """This worker's current Python stack, every thread's, as text, for the hang report

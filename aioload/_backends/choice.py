@@ -49,7 +49,7 @@ def choose_backend(
     keeper: BackendKeeper,
     base_seed: int | None,
     workers: WorkerFactory | None,
-    async_front: bool,
+    async_for: bool,
 ) -> BackendChoice:
     """``num_workers=0``: the calling process. Otherwise local worker processes (threads with
     ``worker_method="thread"``), or what ``workers`` makes (``RayWorkers(...)``: Ray actors); kept between passes by ``keeper`` when
@@ -60,7 +60,7 @@ def choose_backend(
             # Imported here: only num_workers=0 runs datasets in this process.
             from .inline import InlineBackend
 
-            return InlineBackend(spec, offload=async_front)
+            return InlineBackend(spec, async_for=async_for)
 
         return BackendChoice(make_inline, IN_PROCESS, owned=True)
 

@@ -44,7 +44,7 @@ from .._wire.messages import (
     outcome_of,
 )
 from ..errors import WorkerDiedError
-from .base import OUT_OF_PROCESS, BackendTraits, Waitable, WorkerBackend, WorkerSpec
+from .base import OUT_OF_PROCESS, BackendTraits, Place, Waitable, WorkerBackend, WorkerSpec
 
 if TYPE_CHECKING:
     from .._worker.main import WorkerConfig, WorkerStep
@@ -117,6 +117,8 @@ class FakeBackend:
         self.started_passes = 0
         self.max_outstanding = 0
         self.awaited: list[tuple[int | None, dict[int, int]]] = []
+        # How many times the engine sent what was held back (``flush``), before its waits.
+        self.flushes = 0
         # What dump_stack answers for each worker (the hang report), and whom it was asked for.
         self.stacks: dict[int, str] = {}
         self.dumped: list[int] = []
@@ -212,6 +214,9 @@ class FakeBackend:
         ]
         return events
 
+    def flush(self) -> None:
+        self.flushes += 1
+
     def waitable(self, awaited: int | None = None) -> Waitable:
         """Nothing to watch: the engine sleeps until the soonest scripted answer is due (at
         most a second, as a real backend's health-check period), as it would on a pool. On a
@@ -239,8 +244,8 @@ class FakeBackend:
     def retire(self) -> None:
         self.retired = True
 
-    def describe(self, worker_id: int) -> str:
-        return f"fake {worker_id}"
+    def place(self, worker_id: int) -> Place:
+        return Place(f"fake {worker_id}")
 
     def dump_stack(self, worker_id: int) -> str | None:
         """The scripted stack of ``worker_id`` (``stacks``), if any; recorded in ``dumped``."""

@@ -42,7 +42,7 @@ from .._wire.messages import (
 )
 from .._worker.async_fetch import AsyncFetcher
 from .._worker.main import StepResult, WorkerStep
-from .base import IN_PROCESS, BackendTraits, Waitable, WorkerSpec
+from .base import IN_PROCESS, BackendTraits, Place, Waitable, WorkerSpec
 
 __all__ = ["InlineBackend"]
 
@@ -54,9 +54,11 @@ class InlineBackend:
     # A fresh one per pass: never kept.
     retired = False
 
-    def __init__(self, spec: WorkerSpec, offload: bool) -> None:
+    def __init__(self, spec: WorkerSpec, async_for: bool) -> None:
         self.spec = spec
-        self.offload = offload
+        # Whether the pass is consumed by ``async for``: a plain dataset's fetch then runs in a
+        # thread, off the loop.
+        self.async_for = async_for
         # The one worker: the dataset and collate_fn themselves, no worker_init_fn.
         config = spec.worker_config(
             0,
@@ -104,8 +106,8 @@ class InlineBackend:
     def retire(self) -> None:
         pass
 
-    def describe(self, worker_id: int) -> str:
-        return "the calling process"
+    def place(self, worker_id: int) -> Place:
+        return Place("the calling process")
 
     def dump_stack(self, worker_id: int) -> str | None:
         """The stack of the thread running the fetch (the consumer's own under ``for``, a
@@ -115,19 +117,22 @@ class InlineBackend:
         fetching = self.fetching
         return format_threads([fetching]) if fetching is not None else None
 
+    def flush(self) -> None:
+        pass  # nothing is sent: the fetch runs in the caller
+
     def waitable(self, awaited: int | None = None) -> Waitable:
         """The answer is the fetch itself, which the caller runs (``work``); with no task, the
         engine's own wake-up alone can end a sleep (its pin stage, handing a batch back)."""
         return Waitable(work=self) if self.task is not None else Waitable()
 
     async def work(self) -> None:
-        """The fetch under ``async for``: a plain dataset in a thread (``offload``), an async
+        """The fetch under ``async for``: a plain dataset in a thread (``async_for``), an async
         one awaited on the loop."""
         assert self.task is not None
         started = time.perf_counter()
         if self.is_async:
             outcome = await self._fetch_async(*self.task)
-        elif self.offload:
+        elif self.async_for:
             # Not abandoned on cancel: the fetch finishes (one batch at most) before the
             # cancellation goes on, so two fetches never run at once on one dataset.
             outcome = await anyio.to_thread.run_sync(self._fetch, *self.task)
@@ -239,7 +244,7 @@ class InlineBackend:
             done = True
         except RuntimeError:
             pass  # not in one of anyio's worker threads
-        if not done and not self.offload:
+        if not done and not self.async_for:
             try:
                 _sync.run(cleanup())
                 done = True

@@ -56,6 +56,7 @@ from ..errors import WorkerDiedError
 from .base import (
     OUT_OF_PROCESS,
     BackendTraits,
+    Place,
     TunableBackend,
     Waitable,
     WorkerBackend,
@@ -673,7 +674,7 @@ class WorkerPool:
             if worker.deferred_frees:
                 worker.channel.queue(FreeSlabs(list(worker.take_deferred_frees())))
             worker.channel.queue(Reset(self.generation, self.plans[worker.worker_id]))
-        self._flush()
+        self.flush()
 
     def submit(self, worker_id: int, task_id: int, indices: Any) -> None:
         # Written at once (what does not fit waits for writability): the orchestrator refills
@@ -689,7 +690,7 @@ class WorkerPool:
             self._queue_frees()
         freed = worker.take_deferred_frees() if worker.deferred_frees else ()
         worker.channel.queue(Task(task_id, self.generation, indices, freed))
-        self._flush()
+        self.flush()
 
     def _queue_frees(self) -> None:
         """Put the large slabs the consumer has let go of in their workers' outboxes (unsent),
@@ -709,8 +710,9 @@ class WorkerPool:
         for worker, slab_ids in freed.items():
             worker.channel.queue(FreeSlabs(slab_ids))
 
-    def _flush(self) -> None:
-        """Return freed slabs to their workers and write what fits of every outbox."""
+    def flush(self) -> None:
+        """Return freed slabs to their workers and write what fits of every outbox (the
+        engine's call before it sleeps; ``submit`` and ``start_pass`` make it themselves)."""
         if self.releases:
             self._queue_frees()
         for worker in self.workers:
@@ -744,7 +746,7 @@ class WorkerPool:
         task (``submit`` sends it on the task) or the next pass's ``start_pass``: a worker
         with no task needs no slab. A large one goes out with the next write to its worker:
         the ``submit`` that refills the window right after this if the refill is for that
-        worker, else the flush before the next wait (``waitable``), so that the worker
+        worker, else the flush before the next wait (``flush``), so that the worker
         has it back before it starts its next batch. Only a step that hands a batch over and
         sends nothing leaves a large one queued until then: at the end of the sampler, or for
         a worker whose IterableDataset stream has ended; neither worker has a task that needs
@@ -842,14 +844,16 @@ class WorkerPool:
         if plan is not None:
             self.plans[worker_id] = plan
         old = self.workers[worker_id]
-        self._retire(old)
+        self._reap(old)
         replacement = self._spawn(worker_id)
         self.workers[worker_id] = replacement
         replacement.channel.queue(Reset(self.generation, self.plans[worker_id]))
         if self.concurrency is not None:
             replacement.channel.queue(SetConcurrency(self.concurrency))
 
-    def _retire(self, worker: _WorkerHandle) -> None:
+    def _reap(self, worker: _WorkerHandle) -> None:
+        """Let go of a lost worker being replaced: its socket, and its process once it has
+        exited."""
         # Its mappings stay alive as long as batches the consumer holds reference them.
         _parent_fds.discard(worker.channel)
         worker.channel.close()
@@ -881,15 +885,15 @@ class WorkerPool:
         for worker in self.workers:
             if not worker.channel.closed:
                 worker.channel.queue(SetConcurrency(concurrency))
-        self._flush()
+        self.flush()
 
-    def describe(self, worker_id: int) -> str:
+    def place(self, worker_id: int) -> Place:
         # A query: a worker of a staggered start that is not forked yet is named as such (it
         # is forked at a wait, and the engine names it again after each wait until then).
         worker = self.workers[worker_id]
         if worker.pid is None:
-            return f"worker {worker_id}, starting"
-        return f"pid {worker.pid}"
+            return Place(f"worker {worker_id}, starting", started=False)
+        return Place(f"pid {worker.pid}")
 
     def dump_stack(self, worker_id: int) -> str | None:
         # faulthandler in the worker, on a signal, into a memfd read through /proc
@@ -905,14 +909,14 @@ class WorkerPool:
         """What the engine may sleep on: the selector, which an answer, a worker's exit or a
         socket with an outbox left that takes more makes readable; with ``awaited`` (and small
         answers), an epoll that only that worker's answers make readable, besides the rest
-        (``_AwaitedEpoll``). At most the health-check period. Sends what is queued first.
+        (``_AwaitedEpoll``). At most the health-check period. (What is queued was sent by
+        the engine's ``flush`` just before.)
 
         A staggered start offers the next fork instead, as work to run in place of a sleep
         (NOTE [staggered start]); the engine then looks at what has arrived and comes back
         for the fork after it."""
         if self.closed:
             raise RuntimeError(_CLOSED)
-        self._flush()
         if self._staggered is not None and (fork := self._staggered.offer(awaited)):
             return fork
         if awaited is not None and self._await_one:

@@ -56,7 +56,7 @@ from .._wire.messages import (
 from .._worker.heap import HeapPolicy
 from .._worker.main import StepResult, WorkerConfig, WorkerStep
 from ..errors import WorkerDiedError
-from .base import OUT_OF_PROCESS, BackendTraits, Waitable, WorkerSpec
+from .base import OUT_OF_PROCESS, BackendTraits, Place, Waitable, WorkerSpec
 
 __all__ = ["RayBackend"]
 
@@ -433,6 +433,9 @@ class RayBackend:
             worker_id, WorkerDiedError(message, worker_id=worker_id, pid=None, exitcode=None)
         )
 
+    def flush(self) -> None:
+        pass  # a task is an actor call, made as it is submitted
+
     def waitable(self, awaited: int | None = None) -> Waitable:
         """The waiter thread's pipe; no sleep at all where results are here already (one that
         was ready, but not yet local, is watched again)."""
@@ -455,8 +458,10 @@ class RayBackend:
     def retire(self) -> None:
         self.retired = True
 
-    def describe(self, worker_id: int) -> str:
-        return self._describe(self.slots[worker_id])
+    def place(self, worker_id: int) -> Place:
+        slot = self.slots[worker_id]
+        name = self._describe(slot)
+        return Place(name, started=slot.description is not None)
 
     def dump_stack(self, worker_id: int) -> str | None:
         # An actor's stack would take a call into the actor, which is busy in the sample it

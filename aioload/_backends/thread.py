@@ -51,7 +51,7 @@ from .._wire.messages import (
     outcome_of,
 )
 from ..errors import WorkerDiedError
-from .base import BackendTraits, TunableBackend, Waitable, WorkerBackend, WorkerSpec
+from .base import BackendTraits, Place, TunableBackend, Waitable, WorkerBackend, WorkerSpec
 
 if TYPE_CHECKING:
     import asyncio
@@ -70,7 +70,7 @@ _HEALTH_CHECK_S = 1.0
 _CLOSE_GRACE_S = 0.5
 # A thread's inbox: this ends the thread.
 _STOP: Any = object()
-# Names threads across backends, for describe() and stack dumps.
+# Names threads across backends, for place() and stack dumps.
 _serial = itertools.count()
 
 
@@ -312,6 +312,9 @@ class ThreadBackend:
         self._abandoned.clear()
         return events
 
+    def flush(self) -> None:
+        pass  # a task is in its worker's queue as it is submitted
+
     def waitable(self, awaited: int | None = None) -> Waitable:
         """The wake-up pipe, which every answer writes to (whichever worker's: ``awaited`` is
         not needed, an answer costs the engine no read of a socket)."""
@@ -340,8 +343,8 @@ class ThreadBackend:
     def retire(self) -> None:
         self.retired = True
 
-    def describe(self, worker_id: int) -> str:
-        return f"thread {self.workers[worker_id].thread.name}"
+    def place(self, worker_id: int) -> Place:
+        return Place(f"thread {self.workers[worker_id].thread.name}")
 
     def dump_stack(self, worker_id: int) -> str | None:
         """The worker thread's stack (the hang report): a thread of this process, read with

@@ -145,7 +145,7 @@ class HangWatch:
     ) -> None:
         assert self.threshold is not None and self._stats is not None
         worker = sent.worker_id if backend.TRAITS.runs_ahead else None
-        where = backend.describe(sent.worker_id)
+        where = backend.place(sent.worker_id).name
         stall = Stall(task_id, worker, where, _plain(sent.indices), since)
         # (Read before the lock: it may take a moment; ``dump_stack`` is bounded.)
         stall.stack = backend.dump_stack(sent.worker_id)

@@ -6,14 +6,13 @@ wait, what a lost worker costs, when the pass ends. The ledger records what thos
 did to each task (sent, answered, waiting for its turn, handed to the pin stage, delivered)
 and what each worker's dataset had reached, and answers the orchestrator's questions from
 that record. It sends and waits for nothing itself, and raises only the skip cap's error
-(after ``over_cap`` has ended the pass).
+(``cap_error``, which the orchestrator then ends the pass with). The orchestrator owns the round
+robin; the ledger only hears where it stands (``sent``, ``round_robin_at``), for checkpoints.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections import deque
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .._wire.messages import AllSkipped, Answer, Batch, Outcome, StreamEnded
@@ -21,6 +20,7 @@ from .._worker.fetch import take_skips
 from .resume import PassProgress, StreamPoint
 
 if TYPE_CHECKING:
+    from ..errors import TooManySampleErrors
     from ..stats import PassStats, SkipCap, SkippedSample
     from .pinning import PinStage
 
@@ -50,9 +50,7 @@ _Done = tuple[int, Outcome, int]
 class Ledger:
     """One pass's tasks. ``in_order``: answers wait for their turn in the reorder buffer (else
     they are delivered as they arrive). ``skip_cap`` (``max_skipped``) is checked as skipped
-    samples are recorded; past it, ``over_cap`` (held weakly: the orchestrator holds the
-    ledger, and a cycle would keep an abandoned pass's batches until the collector runs) is
-    given the error, which is then raised."""
+    samples are recorded; past it, the error is kept in ``cap_error`` and raised."""
 
     def __init__(
         self,
@@ -62,13 +60,14 @@ class Ledger:
         *,
         in_order: bool,
         skip_cap: SkipCap | None,
-        over_cap: weakref.WeakMethod[Callable[[BaseException], None]],
+        next_worker: int,
     ) -> None:
         self.progress = progress
         self._stats = stats
         self._in_order = in_order
         self._skip_cap = skip_cap
-        self._over_cap = over_cap
+        # The skip cap's error, once raised: the pass is over.
+        self.cap_error: TooManySampleErrors | None = None
         self._send_idx = 0  # id of the next task to send
         self.rcvd_idx = 0  # id of the next task to yield (in order)
         # Sent, not yet answered.
@@ -85,7 +84,7 @@ class Ledger:
         self.unyielded = 0
         self.per_worker = [0] * num_workers
         # Tasks each worker holds unanswered (its queue, as far as the engine knows): what the
-        # run-ahead tops up while the head of the line is late (Orchestrator._run_ahead).
+        # run-ahead tops up while the head of the line is late (``RunAhead.top_up``).
         self.unanswered = [0] * num_workers
         # A resumed IterableDataset pass: streams that had run dry stay so.
         self.active = [not progress.streams[w].ended for w in range(num_workers)]
@@ -94,10 +93,10 @@ class Ledger:
         # Where each worker's dataset stood after its last answer: a replacement for a lost
         # worker starts there (a Stateful dataset's state goes on).
         self.answered = [progress.streams[w].copy() for w in range(num_workers)]
-        # torch's round robin: the worker the next task goes to, unless it cannot take one
-        # (the orchestrator's dispatch moves it). A resumed IterableDataset pass starts where
-        # the last one was; a checkpoint records where the batch after the last yielded went.
-        self.next_worker = progress.next_worker % num_workers
+        # Where the orchestrator's round robin stands (the worker the next task goes to,
+        # unless it cannot take one), as it last said: a checkpoint records where the batch
+        # after the last yielded went, or would go.
+        self._round_robin = next_worker
         # Skipped samples of answered tasks, recorded when the task is delivered.
         self._skips: dict[int, list[SkippedSample]] = {}
 
@@ -139,16 +138,18 @@ class Ledger:
         """The worker holding the next task to yield in order, if it is unanswered: what a wait
         of a consumer in order (with no pin stage) is for (``waitable``'s ``awaited``). Its
         sibling finishes its own batch about as often first as not, and a wait that any answer
-        ends woke the parent for it, to find the batch it needs still missing and sleep again:
-        0.47 wake-ups per tiny batch out of 0.97, each a context switch that also evicts the
-        workers' caches on a machine with fewer cores than processes."""
+        ends would wake the parent for it, to find the batch it needs still missing and sleep
+        again: a context switch that also evicts the workers' caches on a machine with fewer
+        cores than processes (docs/benchmark-notes.md, "Waiting for one worker")."""
         sent = self.inflight.get(self.rcvd_idx)
         return sent.worker_id if sent is not None else None
 
     # -- records -----------------------------------------------------------------------------
 
-    def sent(self, worker_id: int, position: int, indices: Any) -> int:
-        """A task for the batch at sampler ``position`` goes to ``worker_id``; its task id."""
+    def sent(self, worker_id: int, position: int, indices: Any, next_worker: int) -> int:
+        """A task for the batch at sampler ``position`` goes to ``worker_id``, and the round
+        robin stands at ``next_worker`` after it; its task id."""
+        self._round_robin = next_worker
         task_id = self._send_idx
         self._send_idx += 1
         self.inflight[task_id] = self._assigned[task_id] = Sent(worker_id, indices, position)
@@ -156,6 +157,11 @@ class Ledger:
         self.unanswered[worker_id] += 1
         self.unyielded += 1
         return task_id
+
+    def round_robin_at(self, next_worker: int) -> None:
+        """The round robin moved with no task sent (no worker could take one, or the sampler
+        ran out): it stands at ``next_worker``."""
+        self._round_robin = next_worker
 
     def accept(self, answer: Answer) -> None:
         """An answer arrived: filed for its turn, with where its worker's stream stands. An
@@ -265,7 +271,7 @@ class Ledger:
         # In order, the batch after this one is task_id + 1: the worker it went to, or (not
         # sent yet) the one the round robin will pick.
         following = self._assigned.get(task_id + 1)
-        self.progress.next_worker = following.worker_id if following else self.next_worker
+        self.progress.next_worker = following.worker_id if following else self._round_robin
 
     def record_yield(self, task_id: int) -> None:
         """``task_id`` is delivered (yielded, raised, or all skipped): its position, stream
@@ -290,7 +296,8 @@ class Ledger:
             self.check_skip_cap(final=False)
 
     def check_skip_cap(self, final: bool) -> None:
-        """Past max_skipped, ``over_cap`` ends the pass with TooManySampleErrors."""
+        """Past max_skipped: TooManySampleErrors, kept in ``cap_error`` and raised (the
+        orchestrator ends the pass with it)."""
         cap = self._skip_cap
         if cap is None:
             return
@@ -301,7 +308,5 @@ class Ledger:
             drawn = self._stats.samples + len(progress.skipped)
         error = cap.error(progress.skipped, drawn, final)
         if error is not None:
-            over_cap = self._over_cap()
-            if over_cap is not None:
-                over_cap(error)
+            self.cap_error = error
             raise error

@@ -34,7 +34,7 @@ from collections.abc import Callable, Generator, Iterator
 from typing import Any, NamedTuple, NoReturn
 
 from .._aio.waiting import Waiter, run_off_loop, running_asyncio_loop
-from .._backends.base import BackendTraits, TunableBackend, WorkerBackend
+from .._backends.base import BackendTraits, TunableBackend, Waitable, WorkerBackend
 from .._wire.messages import (
     Answer,
     Batch,
@@ -44,7 +44,7 @@ from .._wire.messages import (
     Raised,
     WorkerLost,
 )
-from ..errors import DataLoaderTimeoutError
+from ..errors import DataLoaderTimeoutError, TooManySampleErrors
 from ..stats import PassStats, SkipCap
 from .hang import NO_HANG_REPORT, HangWatch
 from .ledger import Ledger
@@ -53,7 +53,15 @@ from .resume import PassProgress
 from .runahead import RunAhead
 from .tuning import PassTuning
 
-__all__ = ["END", "PENDING", "Orchestrator", "PassSetup", "release_pass_frames", "track_pass"]
+__all__ = [
+    "END",
+    "NEEDS_LOOP",
+    "PENDING",
+    "Orchestrator",
+    "PassSetup",
+    "release_pass_frames",
+    "track_pass",
+]
 
 
 class _End:
@@ -62,12 +70,30 @@ class _End:
 
 
 END: Any = _End()
-PENDING: Any = object()
+
+
+class _Sentinel:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+# ``step``: no batch yet (the caller may wait for one).
+PENDING: Any = _Sentinel("PENDING")
+# ``next_blocking``: the wait that comes next needs an event loop (the backend starts in a
+# thread, or an async dataset fetches in this process): run ``next`` on one.
+NEEDS_LOOP: Any = _Sentinel("NEEDS_LOOP")
+# ``_advance``: a wait is prepared; the caller performs it and comes back.
+_WAIT: Any = _Sentinel("_WAIT")
 
 
 class PassSetup(NamedTuple):
     """Everything one pass needs to know, decided once when the pass is made (see
-    ``DataLoader._pass_setup``)."""
+    ``_engine.setup.pass_setup``)."""
 
     # (sampler position, indices), resumed positions already left out (``_engine.resume.PassStart``).
     batches: Iterator[tuple[int, Any]]
@@ -98,6 +124,8 @@ class PassSetup(NamedTuple):
 
 # The backend before the first next() starts it (every use checks for this first).
 _NOT_STARTED: Any = object()
+# The wait that is no wait: an overdue step's, which only ``next``'s checkpoint follows.
+_NO_WAIT = Waitable()
 
 
 class PassResources:
@@ -164,8 +192,12 @@ class Orchestrator:
             num_workers,
             in_order=setup.in_order,
             skip_cap=setup.skip_cap,
-            over_cap=weakref.WeakMethod(self._over_cap),
+            next_worker=progress.next_worker % num_workers,
         )
+        # torch's round robin: the worker the next task goes to, unless it cannot take one.
+        # A resumed pass starts where its checkpoint says the batch after the last yielded
+        # went; the ledger hears where it stands as it moves, for the next checkpoint.
+        self._next_worker = progress.next_worker % num_workers
         # In order: how far workers may run ahead of a late head (NOTE [run-ahead]).
         self._ahead = _run_ahead(setup, self._ledger, self.stats, self._capacity)
         self._sampler_done = False
@@ -177,6 +209,12 @@ class Orchestrator:
         self._busy = False
         # Whether stats name every worker (see _name_workers); the calling process is unnamed.
         self._named = not setup.traits.runs_ahead
+        # The step loop's state between its calls (NOTE [one step loop]): this ``next``'s
+        # deadline, whether its next step takes in answers, and the wait prepared.
+        self._deadline = math.inf
+        self._intake = False
+        self._planned = _NO_WAIT
+        self._sleep_s = 0.0
 
     # -- the one entry point -----------------------------------------------------------------
 
@@ -212,33 +250,38 @@ class Orchestrator:
         if backend is _NOT_STARTED:
             return PENDING
         ledger = self._ledger
-        if not self._sampler_done and ledger.unyielded < self._capacity:
-            self._dispatch()
-        stage = self._stage
-        if intake or stage is not None:
-            for event in backend.poll():
-                if isinstance(event, Answer):
-                    ledger.accept(event)
-                else:
-                    self._lost(event)
-        if stage is None:
-            ready = ledger.pop_ready()
-        else:
-            stage.drain_wake()
-            ready = ledger.through_stage(stage)
-            if ready is None and stage.pending:
-                return PENDING
-        if ready is not None:
-            return self._deliver(*ready)
-        if not ledger.inflight and (self._sampler_done or not any(ledger.active)):
-            self._batches.raise_error()
-            ledger.check_skip_cap(final=True)
-            self._finished = True
-            self.progress.finished = True
-            return END
-        if self._ahead.limit and not self._sampler_done:
-            self._ahead.top_up(self._slots, self._dispatch)
-        return PENDING
+        try:
+            if not self._sampler_done and ledger.unyielded < self._capacity:
+                self._dispatch()
+            stage = self._stage
+            if intake or stage is not None:
+                for event in backend.poll():
+                    if isinstance(event, Answer):
+                        ledger.accept(event)
+                    else:
+                        self._lost(event)
+            if stage is None:
+                ready = ledger.pop_ready()
+            else:
+                stage.drain_wake()
+                ready = ledger.through_stage(stage)
+                if ready is None and stage.pending:
+                    return PENDING
+            if ready is not None:
+                return self._deliver(*ready)
+            if not ledger.inflight and (self._sampler_done or not any(ledger.active)):
+                self._batches.raise_error()
+                ledger.check_skip_cap(final=True)
+                self._finished = True
+                self.progress.finished = True
+                return END
+            if self._ahead.limit and not self._sampler_done:
+                self._ahead.top_up(self._slots, self._dispatch)
+            return PENDING
+        except TooManySampleErrors as error:
+            if error is ledger.cap_error:
+                self._over_cap(error)
+            raise
 
     async def next(self) -> Any:
         """The next batch, or END when the pass is over.
@@ -250,7 +293,7 @@ class Orchestrator:
         before the batch is taken, so a cancellation delivered here loses no batch. Where the
         first step surely takes nothing, the wait after it is the checkpoint (one turn of the
         loop per waited batch, not two); a wait that did not yield is followed by one.
-        ``next_blocking``'s loop is this one's, written out for the sync front end.
+        The loop itself is ``_advance``'s, the same as ``next_blocking``'s: this only waits.
         """
         ledger = self._ledger  # the pass goes on; its first step surely sends and takes nothing
         if checkpointed := not (
@@ -271,17 +314,9 @@ class Orchestrator:
                 self._busy = False
             if self._closed:
                 return END
-        timeout = self._timeout
-        deadline = time.monotonic() + timeout if timeout > 0 else math.inf
-        intake = False
-        while (result := self.step(intake)) is PENDING:
-            if deadline != math.inf and time.monotonic() >= deadline:
-                deadline = self._overdue(deadline, intake)
-            else:
-                checkpointed = await self._wait(deadline) or checkpointed
-                if not self._named:
-                    self._name_workers()
-            intake = True
+        self._begin_next()
+        while (result := self._advance()) is _WAIT:
+            checkpointed = await self._sleep() or checkpointed
             if not checkpointed:
                 await _checkpoint()
                 checkpointed = True
@@ -289,7 +324,7 @@ class Orchestrator:
 
     def next_blocking(self) -> Any:
         """``next`` for the sync front end: the waits block the calling thread, with no event
-        loop. Returns PENDING, having waited for nothing, where a wait needs a loop (the
+        loop. Returns NEEDS_LOOP, having waited for nothing, where a wait needs a loop (the
         backend starts in a thread, or an async dataset runs in this process); the front end
         then runs ``next`` on its private loop.
 
@@ -305,20 +340,56 @@ class Orchestrator:
             self._adopt(self._make_owned_backend())
             if self._closed:
                 return END
-        timeout = self._timeout
-        deadline = time.monotonic() + timeout if timeout > 0 else math.inf
-        intake = False
-        while (result := self.step(intake)) is PENDING:
-            if deadline != math.inf and time.monotonic() >= deadline:
-                deadline = self._overdue(deadline, intake)
-                intake = True
-                continue
-            if not self._wait_blocking(deadline):
-                return PENDING
-            intake = True
-            if not self._named:
-                self._name_workers()
+        self._begin_next()
+        while (result := self._advance()) is _WAIT:
+            if not self._sleep_blocking():
+                return NEEDS_LOOP
         return result
+
+    # -- the step loop: one implementation, two ways to wait ---------------------------------
+
+    def _begin_next(self) -> None:
+        """A ``next`` begins: its deadline (``timeout``), and its first step takes in nothing
+        (see ``step``)."""
+        timeout = self._timeout
+        self._deadline = time.monotonic() + timeout if timeout > 0 else math.inf
+        self._intake = False
+
+    def _advance(self) -> Any:
+        """NOTE [one step loop]. The loop of ``next`` and ``next_blocking``, written once: a
+        step, and where it has no batch, the wait that comes next, decided and prepared here
+        (``_wait_for``) and returned as _WAIT for the caller to perform: ``_sleep`` awaits it
+        on the loop, ``_sleep_blocking`` blocks the calling thread. Each caller comes back
+        after its wait. Otherwise the batch, or END.
+
+        A sans-io step rather than a generator that yields its waits: this runs up to twice
+        a batch, and a generator per ``next`` (made, sent to, finished) costs more than the
+        state kept here between calls (``_deadline``, ``_intake``)."""
+        intake = self._intake
+        if intake and not self._named:
+            self._name_workers()  # (after each wait until every worker has started)
+        if (result := self.step(intake)) is not PENDING:
+            return result
+        self._intake = True
+        deadline = self._deadline
+        if deadline != math.inf and time.monotonic() >= deadline:
+            self._deadline = self._overdue(deadline, intake)
+            self._planned, self._sleep_s = _NO_WAIT, 0.0  # (only ``next``'s checkpoint)
+        else:
+            self._wait_for(deadline)
+        return _WAIT
+
+    def _wait_for(self, deadline: float) -> None:
+        """Prepare the wait ``_advance`` returns: what is held back is sent (``flush``), then
+        what may end the wait is asked (``waitable``), and how long it may last."""
+        # In order, with no pin stage, the wait is for the next task's worker (Ledger.awaited).
+        awaited = self._ledger.awaited() if self._in_order and self._stage is None else None
+        backend = self._backend
+        backend.flush()
+        self._planned = waitable = backend.waitable(awaited)
+        left = self._setup.hang.sleep_limit(deadline, waitable, backend, self._ledger)
+        if waitable.work is None:
+            self._sleep_s = min(waitable.budget, left, self._ahead.sleep_bound())
 
     def _overdue(self, deadline: float, intake: bool) -> float:
         """A step found the batch missing at ``deadline``: the deadline of the next step. One
@@ -335,36 +406,31 @@ class Orchestrator:
         self._backend.abandon(oldest[1].worker_id)
         return time.monotonic() + self._timeout
 
-    async def _wait(self, deadline: float) -> bool:
-        """Sleep until the backend may have something, the pin stage has a batch, or the
-        deadline; or do the caller's work. True where it went round the loop (see ``next``)."""
-        # In order, with no pin stage, the wait is for the next task's worker (Ledger.awaited).
-        awaited = self._ledger.awaited() if self._in_order and self._stage is None else None
-        waitable = self._backend.waitable(awaited)
-        left = self._setup.hang.sleep_limit(deadline, waitable, self._backend, self._ledger)
+    async def _sleep(self) -> bool:
+        """The prepared wait, on the caller's loop: until the backend may have something, the
+        pin stage has a batch, or the time is up; or the caller's work done instead. True where
+        it went round the loop (see ``next``)."""
+        waitable = self._planned
         self._busy = True
         try:
             if waitable.work is not None:
                 await waitable.work.work()
-            elif (timeout := min(waitable.budget, left, self._ahead.sleep_bound())) > 0:
+            elif (timeout := self._sleep_s) > 0:
                 await self._waiter.wait(waitable.descriptor, timeout)
                 return waitable.descriptor is not None or timeout != math.inf
         finally:
             self._busy = False
         return False
 
-    def _wait_blocking(self, deadline: float) -> bool:
-        """``_wait`` in the calling thread; False, having waited for nothing, where it needs
-        an event loop."""
-        # In order, with no pin stage, the wait is for the next task's worker (Ledger.awaited).
-        awaited = self._ledger.awaited() if self._in_order and self._stage is None else None
-        waitable = self._backend.waitable(awaited)
-        left = self._setup.hang.sleep_limit(deadline, waitable, self._backend, self._ledger)
+    def _sleep_blocking(self) -> bool:
+        """The prepared wait in the calling thread; False, having waited for nothing, where it
+        needs an event loop."""
+        waitable = self._planned
         self._busy = True
         try:
             if waitable.work is not None:
                 return waitable.work.work_blocking()
-            if (timeout := min(waitable.budget, left, self._ahead.sleep_bound())) > 0:
+            if (timeout := self._sleep_s) > 0:
                 self._waiter.wait_blocking(waitable.descriptor, timeout)
         finally:
             self._busy = False
@@ -416,9 +482,12 @@ class Orchestrator:
         """Where each worker runs, for stats and messages. Asked again after each wait until
         every worker is named: a worker may be named only once it has started (a staggered
         pool forks its workers at the waits, one a wait)."""
+        named = True
         for worker_id in range(self._slots):
-            self.stats.where[worker_id] = self._backend.describe(worker_id)
-        self._named = not any(w is not None and w.endswith("starting") for w in self.stats.where)
+            place = self._backend.place(worker_id)
+            self.stats.where[worker_id] = place.name
+            named = named and place.started
+        self._named = named
 
     def _apply_tuning(self) -> None:
         """What the controller (``_engine.tuning``) chose: the slots dispatched to (retired
@@ -448,15 +517,19 @@ class Orchestrator:
         while not self._sampler_done and (
             ledger.unyielded < self._capacity if more is None else more()
         ):
-            worker_id = _pick_worker(ledger, self._slots, self._in_order, self._capacity)
+            worker_id, self._next_worker = _pick_worker(
+                ledger, self._next_worker, self._slots, self._in_order, self._capacity
+            )
             if worker_id is None:
+                ledger.round_robin_at(self._next_worker)
                 return
             try:
                 position, indices = next(self._batches)
             except StopIteration:
                 self._sampler_done = True
+                ledger.round_robin_at(self._next_worker)
                 return
-            task_id = self._ledger.sent(worker_id, position, indices)
+            task_id = ledger.sent(worker_id, position, indices, self._next_worker)
             self._backend.submit(worker_id, task_id, indices)
 
     # -- results -----------------------------------------------------------------------------
@@ -478,13 +551,18 @@ class Orchestrator:
         warnings.warn(message, RuntimeWarning, stacklevel=3)  # next or next_blocking (via step)
         self.stats.restarted(lost.worker_id)
         self._backend.restart(lost.worker_id, plan)
-        self.stats.where[lost.worker_id] = self._backend.describe(lost.worker_id)
+        place = self._backend.place(lost.worker_id)
+        self.stats.where[lost.worker_id] = place.name
+        if not place.started:
+            # (A replacement that starts slowly, a Ray actor: named again after each wait
+            # until it has started, as at the pass's start.)
+            self._named = False
         for task_id in held:
             self._backend.submit(lost.worker_id, task_id, self._ledger.inflight[task_id].indices)
 
-    def _over_cap(self, error: BaseException) -> None:
-        """Past max_skipped: the pass ends with TooManySampleErrors (a kept backend stays:
-        nothing is wrong with its workers). The ledger raises it."""
+    def _over_cap(self, error: TooManySampleErrors) -> None:
+        """Past max_skipped (the ledger raised it): the pass ends with TooManySampleErrors (a
+        kept backend stays: nothing is wrong with its workers)."""
         self._fatal = error
         self.close()
 
@@ -645,19 +723,22 @@ def _disown_after_fork() -> None:
 os.register_at_fork(after_in_child=_disown_after_fork)
 
 
-def _pick_worker(ledger: Ledger, slots: int, in_order: bool, capacity: int) -> int | None:
-    """The worker the next task goes to, by torch's rule: the next active worker in the cycle;
-    with in_order=False also one that holds fewer than its share of the prefetch budget.
-    (Among the first ``slots`` workers: num_workers="auto" may use fewer than it has.)"""
+def _pick_worker(
+    ledger: Ledger, cursor: int, slots: int, in_order: bool, capacity: int
+) -> tuple[int | None, int]:
+    """The worker the next task goes to, by torch's rule, and where the round robin stands
+    after it (``cursor``: where it stood): the next active worker in the cycle; with
+    in_order=False also one that holds fewer than its share of the prefetch budget. (Among
+    the first ``slots`` workers: num_workers="auto" may use fewer than it has.)"""
     active = 0 if in_order else sum(ledger.active[:slots])
     for _ in range(slots):
-        worker_id = ledger.next_worker if ledger.next_worker < slots else 0
-        ledger.next_worker = (worker_id + 1) % slots
+        worker_id = cursor if cursor < slots else 0
+        cursor = (worker_id + 1) % slots
         if ledger.active[worker_id] and (
             in_order or ledger.per_worker[worker_id] < capacity // active
         ):
-            return worker_id
-    return None
+            return worker_id, cursor
+    return None, cursor
 
 
 def _run_ahead(setup: PassSetup, ledger: Ledger, stats: PassStats, capacity: int) -> RunAhead:
@@ -786,7 +867,7 @@ def _timeout_error(
         waiting, sent = oldest
         message += (
             f" (waiting for batch {waiting} from DataLoader worker {sent.worker_id}, "
-            f"{backend.describe(sent.worker_id)}, holding indices {_short(sent.indices)})"
+            f"{backend.place(sent.worker_id).name}, holding indices {_short(sent.indices)})"
         )
     return DataLoaderTimeoutError(message, timeout=timeout)
 

@@ -565,9 +565,9 @@ def draw_base_seed(loader: LoaderView) -> int:
     return int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
 
 
-def pass_engine(loader: LoaderView, offload_inline: bool) -> Orchestrator:
+def pass_engine(loader: LoaderView, async_for: bool) -> Orchestrator:
     """One pass: its setup, its backend (made on its first next()), and its engine."""
-    setup, backend = pass_setup(loader, offload_inline)
+    setup, backend = pass_setup(loader, async_for)
     loader._pass_stats = PassStats(
         max(1, loader.num_workers),
         in_process=loader.num_workers == 0,
@@ -606,7 +606,7 @@ def begin_tuned_pass(loader: LoaderView, resume: PassProgress | None, reuse_work
         loader.num_workers = tuner.pass_workers()
 
 
-def pass_setup(loader: LoaderView, offload_inline: bool) -> tuple[PassSetup, BackendChoice]:
+def pass_setup(loader: LoaderView, async_for: bool) -> tuple[PassSetup, BackendChoice]:
     """The one place a pass is described: its number, its randomness (drawn or replayed,
     see ``_engine.resume.begin_pass``), its workers and its settings."""
     transfer = loader._transfer()
@@ -681,7 +681,7 @@ def pass_setup(loader: LoaderView, offload_inline: bool) -> tuple[PassSetup, Bac
         keeper=loader._workers,
         base_seed=start.base_seed,
         workers=loader.workers,
-        async_front=offload_inline,
+        async_for=async_for,
     )
 
     setup = PassSetup(

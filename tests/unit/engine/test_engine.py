@@ -19,9 +19,9 @@ import anyio
 import pytest
 
 from aioload import DataLoaderTimeoutError, WorkerDiedError
-from aioload._backends.base import OUT_OF_PROCESS
-from aioload._backends.fake import HANG, FakeBackend
-from aioload._engine.orchestrator import END, PENDING, Orchestrator, PassSetup
+from aioload._backends.base import OUT_OF_PROCESS, Place, Waitable
+from aioload._backends.fake import HANG, FakeBackend, VirtualClock
+from aioload._engine.orchestrator import END, NEEDS_LOOP, Orchestrator, PassSetup
 from aioload._engine.resume import PassProgress, numbered_batches
 from aioload._wire.messages import Event, PassPlan
 from aioload._worker.main import RemoteError
@@ -85,7 +85,7 @@ def _drain(engine: Orchestrator) -> list[Any]:
     if _front == "blocking":
         got = []
         while (batch := engine.next_blocking()) is not END:
-            assert batch is not PENDING, "a fake backend can always wait without a loop"
+            assert batch is not NEEDS_LOOP, "a fake backend can always wait without a loop"
             got.append(batch)
         return got
 
@@ -102,12 +102,15 @@ BATCHES = [[2 * i, 2 * i + 1] for i in range(12)]
 
 
 def test_reorder_restores_sampler_order_whatever_the_answer_order() -> None:
-    # Later tasks answer first: the reorder buffer must hold them until their turn.
+    # Later tasks answer first: the reorder buffer must hold them until their turn. On the
+    # virtual clock the answers come in exactly the scripted order: each window of six
+    # (prefetch 2 x 3 workers) answers last task first.
     backend = FakeBackend(3, delay=lambda t: 0.002 * (12 - t))
+    backend.clock = VirtualClock()
     engine = _engine(backend, BATCHES)
     got = _drain(engine)
+    assert backend.answered == [5, 4, 3, 2, 1, 0, 11, 10, 9, 8, 7, 6]
     assert got == BATCHES
-    assert sorted(backend.answered) == list(range(12))
     engine.close()  # as the front ends do at END
     assert backend.closed, "a pass that owns its backend closes it"
 
@@ -171,6 +174,43 @@ def test_a_lost_worker_is_replaced_and_its_tasks_sent_again_exactly_once() -> No
     assert engine.stats.workers[1].restarts == 1
     assert engine.stats.snapshot().workers[1].where == "fake 1"
     assert any("replaced it with a new worker 1" in str(w.message) for w in caught)
+
+
+class _SlowReplacement(FakeBackend):
+    """A replacement that starts slowly, as a Ray actor does: until the engine has waited
+    once since the restart, its place is provisional (not started)."""
+
+    def __init__(self) -> None:
+        super().__init__(2, delay=lambda t: 0.01, lose_on={5})
+        self.fresh: int | None = None
+        self.waits_since_restart = 0
+
+    def restart(self, worker_id: int, plan: PassPlan | None = None) -> None:
+        super().restart(worker_id, plan)
+        self.fresh, self.waits_since_restart = worker_id, 0
+
+    def waitable(self, awaited: int | None = None) -> Waitable:
+        self.waits_since_restart += 1
+        return super().waitable(awaited)
+
+    def place(self, worker_id: int) -> Place:
+        if worker_id != self.fresh:
+            return Place(f"fake {worker_id}")
+        if self.waits_since_restart == 0:
+            return Place(f"fake {worker_id}, starting (node not known yet)", started=False)
+        return Place(f"fake {worker_id}, replaced, on its node")
+
+
+def test_a_replacement_not_started_yet_is_named_again_once_it_has() -> None:
+    # Worker 1 dies on task 5; its replacement has only a provisional place at first. The
+    # engine must ask again after its waits, as it does for workers starting with the pass.
+    backend = _SlowReplacement()
+    engine = _engine(backend, BATCHES, restarts=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert _drain(engine) == BATCHES
+    assert backend.restarts == [1]
+    assert engine.stats.snapshot().workers[1].where == "fake 1, replaced, on its node"
 
 
 def test_a_lost_worker_without_restarts_ends_the_pass() -> None:

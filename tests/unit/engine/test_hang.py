@@ -13,7 +13,7 @@ import pytest
 from aioload._backends.base import OUT_OF_PROCESS
 from aioload._backends.fake import FakeBackend
 from aioload._engine.hang import HangWatch
-from aioload._engine.orchestrator import END, PENDING, Orchestrator, PassSetup
+from aioload._engine.orchestrator import END, NEEDS_LOOP, Orchestrator, PassSetup
 from aioload._engine.resume import PassProgress, numbered_batches
 from aioload._wire.messages import PassPlan
 from aioload.stats import PassStats
@@ -50,7 +50,7 @@ def _drain(engine: Orchestrator, front: str) -> list[Any]:
         entered = engine.stats.enter()
         if front == "blocking":
             batch = engine.next_blocking()
-            assert batch is not PENDING
+            assert batch is not NEEDS_LOOP
         else:
             batch = anyio.run(engine.next)
         engine.stats.leave(entered)
