@@ -290,7 +290,7 @@ class WorkerSpec(NamedTuple):
         shared_memory: bool,
     ) -> WorkerConfig:
         """What worker ``worker_id`` starts with, whichever backend runs it. ``payload``: how
-        ``(dataset, collate_fn, worker_init_fn)`` reach it (``_payload``; a Ray actor gets
+        ``(dataset, collate_fn, worker_init_fn)`` reach it (``_backends.payload``; a Ray actor gets
         them from the object store instead). ``shared_memory``: whether it answers through
         shared-memory slabs (a local process), or returns its batches as values (a Ray actor:
         no slab collate, no idle slabs kept)."""

@@ -12,25 +12,20 @@ which watches that worker's answers alone and everything else the selector watch
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import multiprocessing
 import multiprocessing.connection
 import os
-import pickle
 import select
 import selectors
-import signal
 import socket
 import threading
 import time
-import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from .._aio.waiting import Descriptor, run_off_loop
+from .._aio.waiting import Descriptor
 from .._wire.channel import ChannelClosed, ParentChannel
 from .._wire.messages import (
     Answer,
@@ -38,20 +33,18 @@ from .._wire.messages import (
     Event,
     FreeSlabs,
     PassPlan,
-    PickledBatch,
     Raised,
     Reply,
     Reset,
     SetConcurrency,
     SlabBatch,
     Task,
-    ValueBatch,
     WorkerLost,
     answer_to,
     failed_in_setup,
 )
 from .._wire.packed import pack_to_worker, unpack_reply
-from .._wire.slabs import EAGER_FREE_BYTES, SlabMappings
+from .._wire.slabs import EAGER_FREE_BYTES
 from ..errors import WorkerDiedError
 from .base import (
     OUT_OF_PROCESS,
@@ -61,6 +54,19 @@ from .base import (
     Waitable,
     WorkerBackend,
     WorkerSpec,
+)
+from .payload import _TORCH_PICKLE_WARNING as _TORCH_PICKLE_WARNING
+from .payload import _torch_warns_on_pickle_error as _torch_warns_on_pickle_error
+from .payload import payload
+from .staggered import StaggeredStart
+from .worker_process import (
+    MAIN_GUARD_HINT,
+    WorkerHandle,
+    describe_exit,
+    not_my_child,
+    start_process,
+    stop_processes,
+    unforked_ends,
 )
 
 __all__ = ["WorkerPool"]
@@ -85,9 +91,6 @@ _CLOSED = "aioload: the worker pool has been shut down"
 # Parent ends of every pool's sockets, and every pool, in this process.
 _parent_fds: weakref.WeakSet[ParentChannel] = weakref.WeakSet()
 _pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
-# The worker ends of sockets whose worker is not forked yet (a staggered start): any other
-# process forked meanwhile must not hold one.
-_unforked_ends: weakref.WeakSet[socket.socket] = weakref.WeakSet()
 
 
 def _disown_after_fork() -> None:
@@ -104,10 +107,10 @@ def _disown_after_fork() -> None:
         with contextlib.suppress(OSError):
             channel.close()
     _parent_fds.clear()
-    for end in list(_unforked_ends):
+    for end in list(unforked_ends):
         with contextlib.suppress(OSError):
             end.close()
-    _unforked_ends.clear()
+    unforked_ends.clear()
     for pool in list(_pools):
         pool.closed = True
         pool.retired = True
@@ -116,158 +119,13 @@ def _disown_after_fork() -> None:
         # fails to join them ("can only join a child process").
         for worker in pool.workers:
             if worker.process is not None:
-                _not_my_child(worker.process)
+                not_my_child(worker.process)
         pool._awaited_epoll.forget_after_fork()
         with contextlib.suppress(Exception):
             pool.selector.close()
 
 
 os.register_at_fork(after_in_child=_disown_after_fork)
-
-
-def _not_my_child(process: Any) -> None:
-    children = getattr(multiprocessing.process, "_children", None)
-    if isinstance(children, set):
-        children.discard(process)
-
-
-def _payload(objects: tuple[Any, Any, Any], forking: bool) -> tuple[Any, Any, Any] | bytes:
-    """How ``(dataset, collate_fn, worker_init_fn)`` travel to each worker (in its
-    ``WorkerConfig``, which is part of ``Process(args=...)``).
-
-    - fork: the objects themselves. The workers inherit them; nothing is pickled.
-    - spawn and forkserver, fast path: pickled here once, and the same bytes go to every worker
-      (and to any replacement), rather than one pickle of the dataset per worker.
-    - spawn and forkserver, when that pickle fails: the objects themselves, so that each
-      ``Process.start()`` pickles them while it is spawning, as torch's loader does. That is
-      the only time multiprocessing lets a Lock, Event, Condition, Value or Queue of the
-      loader's context cross to a child ("... should only be shared between processes through
-      inheritance" otherwise). ``start()`` still does not wait for a worker to come up, so
-      the workers start concurrently either way.
-    - anything else that cannot be pickled (a thread lock, an open file) cannot be pickled
-      while spawning either: it raises here, before ``Process.start()`` would start
-      multiprocessing's resource tracker (or forkserver) only to fail, leaving that helper
-      process behind.
-    """
-    if forking:
-        return objects
-    try:
-        return pickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
-    except RuntimeError as error:
-        # Only the "shared through inheritance" refusal is worth a second try while spawning.
-        if "inheritance" not in str(error):
-            raise _unpicklable(objects, error) from error
-        return objects
-    except (TypeError, AttributeError, pickle.PicklingError) as error:
-        # The errors torch's loader warns about as it starts a worker, where it does.
-        _warn_as_torch_on_pickle_error()
-        raise _unpicklable(objects, error) from error
-    except Exception as error:
-        raise _unpicklable(objects, error) from error
-
-
-# What torch's loader warns (from torch 2.11) when a worker's arguments cannot be pickled.
-_TORCH_PICKLE_WARNING = (
-    "Got pickle error when attempting to start a worker Process. "
-    "This might be because the worker Process arguments are not picklable. "
-    "Python 3.14+ changed the multiprocessing start method in non-Mac POSIX platforms "
-    "to 'forkserver', which requires the worker Process arguments to be picklable. "
-    "You can also try multiprocessing.set_start_method('fork')."
-)
-
-
-@functools.cache
-def _torch_warns_on_pickle_error() -> bool:
-    """Whether the installed torch's loader gives that warning: read from its source, once,
-    and only when a pickle has failed (a feature, not a version, is asked about)."""
-    from torch.utils.data import dataloader
-
-    try:
-        source = inspect.getsource(dataloader._MultiProcessingDataLoaderIter)
-    except (OSError, TypeError):
-        return False
-    return "Got pickle error when attempting to start a worker Process" in source
-
-
-def _warn_as_torch_on_pickle_error() -> None:
-    if _torch_warns_on_pickle_error():
-        warnings.warn(_TORCH_PICKLE_WARNING, stacklevel=3)
-
-
-_PICKLED = ("the dataset", "collate_fn", "worker_init_fn")
-
-
-def _unpicklable(objects: tuple[Any, Any, Any], error: Exception) -> Exception:
-    """``error``, of its own type where it can be made from a message, with a message that
-    says which of ``(dataset, collate_fn, worker_init_fn)`` cannot be pickled and what to do."""
-    culprit = None
-    for name, obj in zip(_PICKLED, objects, strict=True):
-        try:
-            pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception:
-            culprit = (name, obj)
-            break
-    if culprit is None:
-        return error
-    name, obj = culprit
-    if name == "the dataset":
-        advice = (
-            "make what cannot be pickled (an open file, a lock, a client) in the worker "
-            "instead: in worker_init_fn, or on first use"
-        )
-    else:
-        advice = (
-            f"define it with `def` at the top level of a module, not as a lambda or inside "
-            f"another function (a functools.partial of such a function works too); {name} is "
-            f"{obj!r}"
-        )
-    message = (
-        f"{name} cannot be pickled, and under the 'spawn' and 'forkserver' start methods "
-        f"every worker gets a pickled copy: {advice}. {type(error).__name__}: {error}"
-    )
-    try:
-        return type(error)(message)
-    except Exception:
-        return pickle.PicklingError(message)
-
-
-class _WorkerHandle:
-    """The parent's handle on one worker process: its process, socket and slab mappings."""
-
-    def __init__(self, worker_id: int, channel: ParentChannel, child_end: socket.socket) -> None:
-        self.worker_id = worker_id
-        # None until the worker is forked (WorkerPool._fork); its end of the socket is held
-        # here until then.
-        self.process: Any = None
-        self.pid: int | None = None
-        self.child_end: socket.socket | None = child_end
-        self.channel = channel
-        self.mappings = SlabMappings()
-        self.exited = False
-        self.release: Callable[[int], None] = _no_release
-        # Small freed slabs waiting to ride along with this worker's next task (see
-        # EAGER_FREE_BYTES).
-        self.deferred_frees: list[int] = []
-        # Whether the selector watches its socket for writability (see WorkerPool._pump_out).
-        self.watching_write = False
-        # A worker of a staggered start: whether a task waits in its socket for its fork.
-        self.tasked = False
-
-    def batch_value(self, result: SlabBatch | PickledBatch | ValueBatch) -> Any:
-        """A batch this worker sent, as the consumer gets it: a slab's tensors as views of it,
-        with no copy."""
-        if isinstance(result, SlabBatch):
-            return self.mappings.decode(
-                result.slab_id, result.used, result.payload, result.leaves, self.release
-            )
-        if isinstance(result, PickledBatch):
-            return pickle.loads(result.payload)
-        return result.value
-
-    def take_deferred_frees(self) -> tuple[int, ...]:
-        freed = tuple(self.deferred_frees)
-        self.deferred_frees.clear()
-        return freed
 
 
 class _Selector(selectors.DefaultSelector):
@@ -289,7 +147,7 @@ class _Selector(selectors.DefaultSelector):
         return super().modify(fileobj, events, data)
 
 
-def _awaited_events(key: selectors.SelectorKey, awaited: _WorkerHandle) -> tuple[bool, bool]:
+def _awaited_events(key: selectors.SelectorKey, awaited: WorkerHandle) -> tuple[bool, bool]:
     """What a wait for ``awaited``'s answer watches of a selector registration: (readable,
     writable). Everything the selector watches, less the other workers' answers."""
     worker, what = key.data
@@ -317,10 +175,10 @@ class _AwaitedEpoll:
     def __init__(self) -> None:
         self.epoll: select.epoll | None = None
         self.descriptor: Descriptor | None = None
-        self.awaited: _WorkerHandle | None = None
+        self.awaited: WorkerHandle | None = None
         self.made_at = -1  # the selector's count of changes the epoll was made at
 
-    def offer(self, selector: _Selector, awaited: _WorkerHandle) -> Descriptor:
+    def offer(self, selector: _Selector, awaited: WorkerHandle) -> Descriptor:
         """The descriptor that ``awaited``'s answers, and what else the selector watches, make
         readable."""
         if self.epoll is None or self.descriptor is None or self.made_at != selector.changes:
@@ -330,7 +188,7 @@ class _AwaitedEpoll:
         assert self.descriptor is not None
         return self.descriptor
 
-    def _make(self, selector: _Selector, awaited: _WorkerHandle) -> None:
+    def _make(self, selector: _Selector, awaited: WorkerHandle) -> None:
         self.close()
         epoll = select.epoll()
         try:
@@ -342,7 +200,7 @@ class _AwaitedEpoll:
         self.epoll, self.descriptor = epoll, Descriptor(epoll.fileno())
         self.awaited, self.made_at = awaited, selector.changes
 
-    def _move(self, selector: _Selector, awaited: _WorkerHandle) -> None:
+    def _move(self, selector: _Selector, awaited: WorkerHandle) -> None:
         assert self.epoll is not None
         try:
             for worker in (self.awaited, awaited):
@@ -375,20 +233,6 @@ def _epoll_mask(read: bool, write: bool) -> int:
     return (select.EPOLLIN if read else 0) | (select.EPOLLOUT if write else 0)
 
 
-def _no_release(slab_id: int) -> None:
-    pass
-
-
-# A worker that exits with status 1 under spawn or forkserver most often failed while it
-# imported the main module, as each such worker does first: a script that makes and iterates
-# its DataLoader at the top level starts workers from inside a worker, which Python refuses.
-_MAIN_GUARD_HINT = (
-    " Under the {method!r} start method each worker first imports your main module: if your "
-    "script makes or iterates the DataLoader at its top level, move that code under "
-    '`if __name__ == "__main__":`. The worker\'s own error is printed above, on stderr.'
-)
-
-
 def _fds_exhausted(pid: int | None) -> str:
     """What the consumer reads when a slab's descriptor could not be received: torch's words
     ("Too many open files"), with advice that fits aioload (it has no sharing strategy)."""
@@ -409,7 +253,7 @@ def _fds_exhausted(pid: int | None) -> str:
     )
 
 
-def _map_slab(worker: _WorkerHandle, result: SlabBatch) -> BaseException | None:
+def _map_slab(worker: WorkerHandle, result: SlabBatch) -> BaseException | None:
     """Map the new slab ``result`` announces; the error that says why not, where it could
     not be (its descriptor never came, or the mapping failed)."""
     fd = worker.channel.take_fd()
@@ -430,7 +274,7 @@ def _map_slab(worker: _WorkerHandle, result: SlabBatch) -> BaseException | None:
     return None
 
 
-def _rebuilt(worker: _WorkerHandle, reply: Reply) -> Answer:
+def _rebuilt(worker: WorkerHandle, reply: Reply) -> Answer:
     """The engine's answer for a reply of the current pass. A batch that cannot be rebuilt
     here (a class its pickle names fails to load, a slab missing) is this batch's error, in
     its turn, and not an exception out of ``poll`` that would lose every answer read after it."""
@@ -441,84 +285,13 @@ def _rebuilt(worker: _WorkerHandle, reply: Reply) -> Answer:
         return Answer(worker.worker_id, reply.task_id, outcome, reply.stream, reply.busy_s)
 
 
-def _unmapped(worker: _WorkerHandle, reply: Reply, error: BaseException) -> Answer:
+def _unmapped(worker: WorkerHandle, reply: Reply, error: BaseException) -> Answer:
     """The answer to a batch whose slab never reached this process: ``error`` in its turn.
     The worker is told to forget the slab (it must never put a batch in it again: this
     side has no mapping of it), and the other answers of this poll go on as usual."""
     assert isinstance(reply.result, SlabBatch)
     worker.channel.queue(FreeSlabs([reply.result.slab_id], forget=True))
     return Answer(worker.worker_id, reply.task_id, Raised(error), reply.stream, reply.busy_s)
-
-
-def _describe_exit(worker: _WorkerHandle) -> tuple[str, int | None]:
-    code = worker.process.exitcode
-    pid = worker.pid
-    if code is not None and code < 0:
-        signum = -code
-        try:
-            name = signal.Signals(signum).name
-        except ValueError:
-            name = f"signal {signum}"
-        text = signal.strsignal(signum) or name
-        return f"DataLoader worker (pid {pid}) is killed by signal: {text} ({name}).", code
-    return f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {code}.", code
-
-
-def _start_process(
-    ctx: Any, worker: _WorkerHandle, *, target: Any, config: Any, parent: Any = None
-) -> None:
-    """Start ``worker``'s process on its socket's child end, and let go of our copy of that end."""
-    child_sock = worker.child_end
-    assert child_sock is not None
-    process = ctx.Process(
-        target=target,
-        args=(config, child_sock, parent),
-        name=f"aioload-worker-{worker.worker_id}",
-        daemon=True,
-    )
-    # Its own end, the new worker keeps.
-    _unforked_ends.discard(child_sock)
-    try:
-        # start() does not wait for the worker to initialise, so workers come up concurrently.
-        process.start()
-    finally:
-        # Our copy of the child's end must go, or the child's death would not close its socket.
-        worker.child_end = None
-        child_sock.close()
-    worker.process = process
-    worker.pid = process.pid
-
-
-def _stop_processes(forked: list[_WorkerHandle], grace: float) -> None:
-    """Steps 2 and 3 of ``WorkerPool.close``: wait up to ``grace`` seconds for the workers to
-    leave on their own (their sockets are closed by now), then kill whoever is left and reap
-    every one. Bounded: SIGKILL cannot be caught."""
-    # 2. Give them ``grace`` seconds to leave on their own, waiting on all sentinels at once.
-    pending = [w for w in forked if w.process.exitcode is None]
-    deadline = time.monotonic() + grace
-    while pending:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        ready = multiprocessing.connection.wait([w.process.sentinel for w in pending], timeout=left)
-        # A ready sentinel means the process is exiting, but it closes a moment before the
-        # process can be reaped, and ``exitcode`` reads None until then: waiting on the
-        # sentinel again would return at once, a busy loop (hundreds of turns, milliseconds
-        # of CPU per pool). join() on a ready sentinel waits for the exit status instead.
-        for worker in pending:
-            if worker.process.sentinel in ready:
-                worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
-        pending = [w for w in pending if w.process.exitcode is None]
-    # 3. Whoever is still there is stuck in user code: kill it. SIGKILL cannot be caught, so
-    #    the join below is bounded.
-    for worker in pending:
-        with contextlib.suppress(ProcessLookupError, OSError, ValueError):
-            worker.process.kill()
-    for worker in forked:
-        with contextlib.suppress(ValueError, AssertionError):
-            worker.process.join(timeout=5.0)
-            # Process.close() releases the sentinel descriptor now rather than at GC.
-            worker.process.close()
 
 
 class WorkerPool:
@@ -534,7 +307,7 @@ class WorkerPool:
         # Fork worker 0 now and the others at the waits (NOTE [staggered start]).
         self.stagger = stagger
         self.num_workers = spec.num_workers
-        self._staggered = _StaggeredStart(self) if stagger else None
+        self._staggered = StaggeredStart(self) if stagger else None
         self.base_seed = base_seed
         self.generation = 0
         self.passes = 0
@@ -542,11 +315,11 @@ class WorkerPool:
         # Usable for this pass, but not for another: a worker whose init failed, or one stuck
         # in a sample a pass timed out on. A persistent loader starts a fresh pool next pass.
         self.retired = False
-        self.workers: list[_WorkerHandle] = []
+        self.workers: list[WorkerHandle] = []
         # Slabs whose batch the consumer has let go of, from any thread (a lease dies wherever
         # its last reference is dropped, often inside the garbage collector). deque.append is
         # atomic, and the queue is drained only on the orchestrator's side.
-        self.releases: deque[tuple[_WorkerHandle, int]] = deque()
+        self.releases: deque[tuple[WorkerHandle, int]] = deque()
         self.selector = _Selector()
         # What the engine sleeps on: the selector, or for one worker's answer (``waitable``'s
         # ``awaited``) an epoll of its own.
@@ -579,14 +352,14 @@ class WorkerPool:
         spec = self.spec
         self._ctx = spec.multiprocessing_context or multiprocessing.get_context()
         self._forking = self._ctx.get_start_method() == "fork"
-        self._payload = _payload(
+        self._payload = payload(
             (spec.dataset, spec.collate_fn, spec.worker_init_fn), forking=self._forking
         )
-        # Worker 0 now, the others at the waits (NOTE [staggered start]: _StaggeredStart).
+        # Worker 0 now, the others at the waits (NOTE [staggered start]: _backends/staggered.py).
         try:
             for worker_id in range(self.num_workers):
                 # (Each socket is made after the previous fork: no worker inherits the end of
-                # one forked before it. Ends of later ones are closed in it: _unforked_ends.)
+                # one forked before it. Ends of later ones are closed in it: unforked_ends.)
                 worker = self._prepare(worker_id)
                 self.workers.append(worker)
                 if worker_id == 0 or not self.stagger:
@@ -595,7 +368,7 @@ class WorkerPool:
             self.close(grace=0.0)
             raise
 
-    def _spawn(self, worker_id: int) -> _WorkerHandle:
+    def _spawn(self, worker_id: int) -> WorkerHandle:
         worker = self._prepare(worker_id)
         try:
             self._fork(worker)
@@ -604,7 +377,7 @@ class WorkerPool:
             raise
         return worker
 
-    def _prepare(self, worker_id: int) -> _WorkerHandle:
+    def _prepare(self, worker_id: int) -> WorkerHandle:
         """A worker's socket and handle, before its process: what the parent sends it waits
         in the socket until the fork."""
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -613,13 +386,13 @@ class WorkerPool:
         # here) closes its inherited copy of our end (see _disown_after_fork): holding it, a
         # worker would never see EOF from us.
         _parent_fds.add(channel)
-        _unforked_ends.add(child_sock)
-        worker = _WorkerHandle(worker_id, channel, child_sock)
+        unforked_ends.add(child_sock)
+        worker = WorkerHandle(worker_id, channel, child_sock)
         worker.release = self._make_release(worker)
         self.selector.register(channel.sock, selectors.EVENT_READ, (worker, "sock"))
         return worker
 
-    def _fork(self, worker: _WorkerHandle) -> None:
+    def _fork(self, worker: WorkerHandle) -> None:
         # The worker-side code is imported on the first fork, not with the package: the
         # parent never runs it, a fork only needs it in memory, and `import aioload` stays cheap.
         from .._worker.main import worker_main
@@ -634,10 +407,10 @@ class WorkerPool:
         )
         # (Asked here, in the thread that forks: NOTE [staggered start] forks in others.)
         parent = parent_watch(self._ctx.get_start_method())
-        _start_process(self._ctx, worker, target=worker_main, config=config, parent=parent)
+        start_process(self._ctx, worker, target=worker_main, config=config, parent=parent)
         self.selector.register(worker.process.sentinel, selectors.EVENT_READ, (worker, "exit"))
 
-    def _unregister(self, worker: _WorkerHandle) -> None:
+    def _unregister(self, worker: WorkerHandle) -> None:
         """Close a worker's socket, both ends (one that never got a process)."""
         _parent_fds.discard(worker.channel)
         with contextlib.suppress(KeyError, ValueError):
@@ -645,10 +418,10 @@ class WorkerPool:
         worker.channel.close()
         end, worker.child_end = worker.child_end, None
         if end is not None:
-            _unforked_ends.discard(end)
+            unforked_ends.discard(end)
             end.close()
 
-    def _make_release(self, worker: _WorkerHandle) -> Callable[[int], None]:
+    def _make_release(self, worker: WorkerHandle) -> Callable[[int], None]:
         # Keyed by the worker *incarnation*: a replacement numbers its slabs from 0 again, so a
         # late release of a dead worker's slab must never reach its successor.
         releases = self.releases
@@ -697,7 +470,7 @@ class WorkerPool:
         and set the small ones aside for each worker's next task (EAGER_FREE_BYTES)."""
         if not self.releases:
             return
-        freed: dict[_WorkerHandle, list[int]] = {}
+        freed: dict[WorkerHandle, list[int]] = {}
         while self.releases:
             worker, slab_id = self.releases.popleft()
             if worker.exited or worker.channel.closed:
@@ -719,7 +492,7 @@ class WorkerPool:
             if worker.channel.outbox and not worker.channel.closed:
                 self._pump_out(worker)
 
-    def _pump_out(self, worker: _WorkerHandle) -> None:
+    def _pump_out(self, worker: WorkerHandle) -> None:
         """Write what fits of a worker's outbox, and watch for writability while some is left."""
         # (Not contextlib.suppress: this runs for every batch, and the context manager costs
         # more than the send's bookkeeping.)
@@ -759,7 +532,7 @@ class WorkerPool:
         events: list[Event] = []
         if time.monotonic() >= self._next_health_check:
             self._check_health(events)
-        dead: list[_WorkerHandle] = []
+        dead: list[WorkerHandle] = []
         try:
             ready = self.selector.select(0)
         except (AttributeError, ValueError, OSError):
@@ -781,7 +554,7 @@ class WorkerPool:
             self._on_death(worker, events)
         return events
 
-    def _read(self, worker: _WorkerHandle, events: list[Event]) -> None:
+    def _read(self, worker: WorkerHandle, events: list[Event]) -> None:
         if worker.channel.closed:
             return
         try:
@@ -798,7 +571,7 @@ class WorkerPool:
             if answer is not None:
                 events.append(answer)
 
-    def _decode(self, worker: _WorkerHandle, reply: Reply) -> Answer | None:
+    def _decode(self, worker: WorkerHandle, reply: Reply) -> Answer | None:
         """A reply as the engine sees it; None for a reply of an older pass (dropped)."""
         if reply.dropped_slabs:
             worker.mappings.drop(reply.dropped_slabs)
@@ -819,7 +592,7 @@ class WorkerPool:
             self.retired = True
         return answer
 
-    def _on_death(self, worker: _WorkerHandle, events: list[Event]) -> None:
+    def _on_death(self, worker: WorkerHandle, events: list[Event]) -> None:
         if worker.exited:
             return
         worker.exited = True
@@ -832,9 +605,9 @@ class WorkerPool:
         worker.process.join(timeout=2.0)
         if self.closed:
             return
-        message, code = _describe_exit(worker)
+        message, code = describe_exit(worker)
         if code == 1 and not self._forking:
-            message += _MAIN_GUARD_HINT.format(method=self._ctx.get_start_method())
+            message += MAIN_GUARD_HINT.format(method=self._ctx.get_start_method())
         error = WorkerDiedError(message, worker_id=worker.worker_id, pid=worker.pid, exitcode=code)
         events.append(WorkerLost(worker.worker_id, error))
 
@@ -851,10 +624,9 @@ class WorkerPool:
         if self.concurrency is not None:
             replacement.channel.queue(SetConcurrency(self.concurrency))
 
-    def _reap(self, worker: _WorkerHandle) -> None:
-        """Let go of a lost worker being replaced: its socket, and its process once it has
-        exited."""
-        # Its mappings stay alive as long as batches the consumer holds reference them.
+    def _reap(self, worker: WorkerHandle) -> None:
+        # A lost worker being replaced: its socket, and its process once it has exited. Its
+        # mappings stay alive as long as batches the consumer holds reference them.
         _parent_fds.discard(worker.channel)
         worker.channel.close()
         with contextlib.suppress(ValueError, AssertionError):
@@ -961,7 +733,7 @@ class WorkerPool:
             worker.channel.close()
             if worker.process is None:
                 self._unregister(worker)
-        _stop_processes([w for w in self.workers if w.process is not None], grace)
+        stop_processes([w for w in self.workers if w.process is not None], grace)
         for worker in self.workers:
             worker.exited = True
         # 4. Unmapping our side happens as leases die: a batch the user still holds stays valid.
@@ -972,76 +744,6 @@ class WorkerPool:
         with contextlib.suppress(Exception):
             self.selector.close()
         self.releases.clear()
-
-
-class _StaggeredStart:
-    """NOTE [staggered start]. A pool forks worker 0 as it starts and each other worker at
-    one of the engine's waits, one fork per wait, not as its first task goes out. A fork
-    costs the parent milliseconds (most of it copying its page tables), and forking them all
-    before the first wait made the first batch wait for every fork: its time grew with
-    num_workers. Now worker 0 starts on the first batch while the parent forks the others,
-    and the parent takes that batch in between two forks. A task sent to a worker not forked
-    yet waits in its socket; the consumer's own worker, when it waits for one, is forked
-    first. Every worker is still started, as torch starts them all: those that got no task
-    (fewer tasks than workers) are forked together at the first wait that finds no other.
-
-    Each fork is work that the engine runs in place of a sleep (``CallerWork``): under
-    ``for`` in the calling thread; under ``async for`` in a thread of its own, as the pool's
-    start is. Not on the loop's thread: a child forked there would inherit that thread's
-    state (its running event loop, a trio run) and could not run a loop of its own. A fork
-    holds the GIL, so the loop stalls for it either way; the thread spares it the rest of a
-    process's start.
-
-    A native ``Task.cancel()`` ends the await of such a thread while its fork goes on (see
-    ``run_off_loop``): the pool's ``fork_lock`` makes a close wait for that fork (and stop
-    the worker it made), and a fork offered before the close forks nothing after it.
-    """
-
-    def __init__(self, pool: WorkerPool) -> None:
-        self.pool = pool
-        # Whether no worker that has a task, or is active, waits for its fork: from then on,
-        # waits look for none to fork, until a task goes to one not forked yet or more slots
-        # are activated (num_workers="auto"). (A replacement is forked as it is made,
-        # ``WorkerPool._spawn``.)
-        self.done = pool.num_workers == 1
-        self._forks: list[_WorkerHandle] = []
-
-    def offer(self, awaited: int | None) -> Waitable | None:
-        """This wait's fork, as the engine's work: the awaited worker if it waits for its
-        fork, else the first with a task waiting; where none has one, every active worker
-        left. None where no worker with a task, and no active one, waits for its fork."""
-        if self.done:
-            return None
-        # (Not one whose socket is already closed: its pool is closing. A slot that
-        # num_workers="auto" retired before its fork still answers the tasks it was given;
-        # one beyond the active ones is forked when activated.)
-        waiting = [
-            w
-            for w in self.pool.workers
-            if w.child_end is not None and (w.tasked or w.worker_id < self.pool.active)
-        ]
-        if not waiting:
-            self.done = True
-            return None
-        chosen = [w for w in waiting if w.worker_id == awaited] or [w for w in waiting if w.tasked]
-        self._forks = chosen[:1] or waiting
-        return Waitable(work=self)
-
-    async def work(self) -> None:
-        await run_off_loop(functools.partial(self._fork_each, self._forks))
-
-    def work_blocking(self) -> bool:
-        self._fork_each(self._forks)
-        return True
-
-    def _fork_each(self, workers: list[_WorkerHandle]) -> None:
-        pool = self.pool
-        with pool.fork_lock:
-            if pool.closed:
-                return
-            for worker in workers:
-                if worker.child_end is not None:
-                    pool._fork(worker)
 
 
 def _conforms(pool: WorkerPool) -> tuple[WorkerBackend, TunableBackend]:

@@ -22,7 +22,6 @@ torch, and datasets with per-worker random augmentation produce the same batches
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import sys
@@ -30,28 +29,34 @@ import time
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Generator, Iterator
-from typing import Any, NamedTuple, NoReturn
+from collections.abc import Callable, Generator
+from typing import Any, NoReturn
 
 from .._aio.waiting import Waiter, run_off_loop, running_asyncio_loop
-from .._backends.base import BackendTraits, TunableBackend, Waitable, WorkerBackend
+from .._backends.base import TunableBackend, WorkerBackend
 from .._wire.messages import (
     Answer,
     Batch,
     Failed,
     Outcome,
-    PassPlan,
     Raised,
     WorkerLost,
 )
-from ..errors import DataLoaderTimeoutError, TooManySampleErrors
-from ..stats import PassStats, SkipCap
-from .hang import NO_HANG_REPORT, HangWatch
+from ..errors import TooManySampleErrors
+from ..stats import PassStats
 from .ledger import Ledger
-from .pinning import PinStage, Transfer
-from .resume import PassProgress
+from .passes import (
+    Drawn,
+    PassResources,
+    PassSetup,
+    release_pass_frames,
+    replaced,
+    timeout_error,
+    warn_past_length,
+)
+from .pinning import PinStage
 from .runahead import RunAhead
-from .tuning import PassTuning
+from .sleep import PlannedWait
 
 __all__ = [
     "END",
@@ -87,66 +92,20 @@ PENDING: Any = _Sentinel("PENDING")
 # ``next_blocking``: the wait that comes next needs an event loop (the backend starts in a
 # thread, or an async dataset fetches in this process): run ``next`` on one.
 NEEDS_LOOP: Any = _Sentinel("NEEDS_LOOP")
-# ``_advance``: a wait is prepared; the caller performs it and comes back.
+# ``_advance``: a wait is planned; the caller performs it and comes back.
 _WAIT: Any = _Sentinel("_WAIT")
 
-
-class PassSetup(NamedTuple):
-    """Everything one pass needs to know, decided once when the pass is made (see
-    ``_engine.setup.pass_setup``)."""
-
-    # (sampler position, indices), resumed positions already left out (``_engine.resume.PassStart``).
-    batches: Iterator[tuple[int, Any]]
-    num_workers: int
-    prefetch: int
-    in_order: bool
-    timeout: float
-    max_worker_restarts: int
-    # Where the pass records what it yielded (for state_dict()), and each worker's plan.
-    progress: PassProgress
-    plans: list[PassPlan]
-    # What the pass's backend declares of itself (``BackendTraits``): the engine's only
-    # knowledge of which kind of backend it drives.
-    traits: BackendTraits
-    # The pin / host-to-device stage, if any.
-    transfer: Transfer | None = None
-    # torch's IterableDataset length warning: len(dataloader) as reported, and the dataset.
-    iterable_len: int | None = None
-    dataset: Any = None
-    # max_skipped, if any (on_sample_error).
-    skip_cap: SkipCap | None = None
-    # num_workers / prefetch_factor / worker_concurrency "auto": the pass's feed to the
-    # controller (``_engine.tuning``); None when every number is the user's.
-    tuning: PassTuning | None = None
-    # hang_report_after: the pass's hang report (``_engine.hang``), asked before each wait.
-    hang: HangWatch = NO_HANG_REPORT
+# NOTE [one step loop]. ``Orchestrator._advance`` is the loop of ``next`` and ``next_blocking``,
+# written once: a step, and where it has no batch, the wait that comes next, planned there
+# (``_engine.sleep.PlannedWait``) and returned as _WAIT for the caller to perform: ``next``
+# awaits it on the loop, ``next_blocking`` blocks the calling thread. Each caller comes back
+# after its wait. A sans-io step rather than a generator that yields its waits: it runs up to
+# twice a batch, and a generator per ``next`` (made, sent to, finished) costs more than the
+# state kept between calls (``_deadline``, ``_intake``).
 
 
 # The backend before the first next() starts it (every use checks for this first).
 _NOT_STARTED: Any = object()
-# The wait that is no wait: an overdue step's, which only ``next``'s checkpoint follows.
-_NO_WAIT = Waitable()
-
-
-class PassResources:
-    """What one pass must release: its pin stage, and its backend when it owns it. A finalizer
-    holds this, not the orchestrator, so an abandoned pass (``break``, ``del``) is still
-    cleaned up when it is collected."""
-
-    def __init__(self) -> None:
-        self.backend: WorkerBackend | None = None
-        self.stage: PinStage | None = None
-        self.waiter: Waiter | None = None
-
-    def close(self) -> None:
-        # In this order. The waiter: the loop lets go of what it watches (from the loop's own
-        # thread) before the stage and the backend close their descriptors. The stage: it may
-        # be working on a batch, and nothing after it needs it. The backend last.
-        owned = (self.waiter, self.stage, self.backend)
-        self.waiter = self.stage = self.backend = None
-        for each in owned:
-            if each is not None:
-                each.close()
 
 
 class Orchestrator:
@@ -163,12 +122,12 @@ class Orchestrator:
         self._make_backend = backend
         self.owned = PassResources()
         self._backend: WorkerBackend = _NOT_STARTED
-        self._waiter: Waiter = _NOT_STARTED  # made with the pass's start (_adopt)
+        self._wait: PlannedWait = _NOT_STARTED  # made with the pass's start (_adopt)
         self._setup = setup
         self._stage: PinStage | None = None
         # Batches leave through _deliver, which records them here for state_dict().
         self.progress = progress = setup.progress
-        self._batches = _Drawn(setup.batches)  # (NOTE [a failing sampler])
+        self._batches = Drawn(setup.batches)  # (NOTE [a failing sampler])
         num_workers = self._num_workers = setup.num_workers
         self._capacity = setup.prefetch * num_workers
         # Slots dispatched to: the first ``_slots`` workers (num_workers="auto" changes it;
@@ -210,11 +169,9 @@ class Orchestrator:
         # Whether stats name every worker (see _name_workers); the calling process is unnamed.
         self._named = not setup.traits.runs_ahead
         # The step loop's state between its calls (NOTE [one step loop]): this ``next``'s
-        # deadline, whether its next step takes in answers, and the wait prepared.
+        # deadline, and whether its next step takes in answers.
         self._deadline = math.inf
         self._intake = False
-        self._planned = _NO_WAIT
-        self._sleep_s = 0.0
 
     # -- the one entry point -----------------------------------------------------------------
 
@@ -279,8 +236,9 @@ class Orchestrator:
                 self._ahead.top_up(self._slots, self._dispatch)
             return PENDING
         except TooManySampleErrors as error:
-            if error is ledger.cap_error:
-                self._over_cap(error)
+            if error is ledger.cap_error:  # past max_skipped: the pass ends (a kept backend stays)
+                self._fatal = error
+                self.close()
             raise
 
     async def next(self) -> Any:
@@ -316,7 +274,11 @@ class Orchestrator:
                 return END
         self._begin_next()
         while (result := self._advance()) is _WAIT:
-            checkpointed = await self._sleep() or checkpointed
+            self._busy = True
+            try:
+                checkpointed = await self._wait.perform() or checkpointed
+            finally:
+                self._busy = False
             if not checkpointed:
                 await _checkpoint()
                 checkpointed = True
@@ -342,29 +304,25 @@ class Orchestrator:
                 return END
         self._begin_next()
         while (result := self._advance()) is _WAIT:
-            if not self._sleep_blocking():
-                return NEEDS_LOOP
+            self._busy = True
+            try:
+                if not self._wait.perform_blocking():
+                    return NEEDS_LOOP
+            finally:
+                self._busy = False
         return result
 
     # -- the step loop: one implementation, two ways to wait ---------------------------------
 
     def _begin_next(self) -> None:
-        """A ``next`` begins: its deadline (``timeout``), and its first step takes in nothing
-        (see ``step``)."""
+        # A ``next`` begins: its deadline, and its first step takes in nothing (see ``step``).
         timeout = self._timeout
         self._deadline = time.monotonic() + timeout if timeout > 0 else math.inf
         self._intake = False
 
     def _advance(self) -> Any:
-        """NOTE [one step loop]. The loop of ``next`` and ``next_blocking``, written once: a
-        step, and where it has no batch, the wait that comes next, decided and prepared here
-        (``_wait_for``) and returned as _WAIT for the caller to perform: ``_sleep`` awaits it
-        on the loop, ``_sleep_blocking`` blocks the calling thread. Each caller comes back
-        after its wait. Otherwise the batch, or END.
-
-        A sans-io step rather than a generator that yields its waits: this runs up to twice
-        a batch, and a generator per ``next`` (made, sent to, finished) costs more than the
-        state kept here between calls (``_deadline``, ``_intake``)."""
+        """The loop of ``next`` and ``next_blocking``: the batch, END, or _WAIT with the next
+        wait planned (NOTE [one step loop])."""
         intake = self._intake
         if intake and not self._named:
             self._name_workers()  # (after each wait until every worker has started)
@@ -374,22 +332,13 @@ class Orchestrator:
         deadline = self._deadline
         if deadline != math.inf and time.monotonic() >= deadline:
             self._deadline = self._overdue(deadline, intake)
-            self._planned, self._sleep_s = _NO_WAIT, 0.0  # (only ``next``'s checkpoint)
+            self._wait.skip()
         else:
-            self._wait_for(deadline)
+            # In order, with no pin stage, the wait is for the next task's worker.
+            awaited = self._ledger.awaited() if self._in_order and self._stage is None else None
+            hang, ledger = self._setup.hang, self._ledger
+            self._wait.plan(self._backend, awaited, deadline, hang, ledger, self._ahead)
         return _WAIT
-
-    def _wait_for(self, deadline: float) -> None:
-        """Prepare the wait ``_advance`` returns: what is held back is sent (``flush``), then
-        what may end the wait is asked (``waitable``), and how long it may last."""
-        # In order, with no pin stage, the wait is for the next task's worker (Ledger.awaited).
-        awaited = self._ledger.awaited() if self._in_order and self._stage is None else None
-        backend = self._backend
-        backend.flush()
-        self._planned = waitable = backend.waitable(awaited)
-        left = self._setup.hang.sleep_limit(deadline, waitable, backend, self._ledger)
-        if waitable.work is None:
-            self._sleep_s = min(waitable.budget, left, self._ahead.sleep_bound())
 
     def _overdue(self, deadline: float, intake: bool) -> float:
         """A step found the batch missing at ``deadline``: the deadline of the next step. One
@@ -402,39 +351,9 @@ class Orchestrator:
         if oldest is None or self._restarts_left <= 0:
             # Stuck in a sample: this pass may go on, but no other runs on these workers.
             self._backend.retire()
-            raise _timeout_error(self._timeout, self._ledger, self._backend)
+            raise timeout_error(self._timeout, self._ledger, self._backend)
         self._backend.abandon(oldest[1].worker_id)
         return time.monotonic() + self._timeout
-
-    async def _sleep(self) -> bool:
-        """The prepared wait, on the caller's loop: until the backend may have something, the
-        pin stage has a batch, or the time is up; or the caller's work done instead. True where
-        it went round the loop (see ``next``)."""
-        waitable = self._planned
-        self._busy = True
-        try:
-            if waitable.work is not None:
-                await waitable.work.work()
-            elif (timeout := self._sleep_s) > 0:
-                await self._waiter.wait(waitable.descriptor, timeout)
-                return waitable.descriptor is not None or timeout != math.inf
-        finally:
-            self._busy = False
-        return False
-
-    def _sleep_blocking(self) -> bool:
-        """The prepared wait in the calling thread; False, having waited for nothing, where it
-        needs an event loop."""
-        waitable = self._planned
-        self._busy = True
-        try:
-            if waitable.work is not None:
-                return waitable.work.work_blocking()
-            if (timeout := self._sleep_s) > 0:
-                self._waiter.wait_blocking(waitable.descriptor, timeout)
-        finally:
-            self._busy = False
-        return True
 
     def _make_owned_backend(self) -> WorkerBackend:
         # The pass takes ownership in the thread that makes the pool, not after the await: a
@@ -462,7 +381,8 @@ class Orchestrator:
             self._stage.stats = self.stats
             self.owned.stage = self._stage
         # The engine's sleep: on what the backend offers, and on the stage's pipe.
-        self._waiter = self.owned.waiter = Waiter(self._stage.wake_r if self._stage else None)
+        self.owned.waiter = waiter = Waiter(self._stage.wake_r if self._stage else None)
+        self._wait = PlannedWait(waiter)
         if self._closed:
             # Closed while it was starting (a cancelled, then abandoned iterator).
             self._close_owned()
@@ -547,24 +467,16 @@ class Orchestrator:
             dataset_state=point.dataset_state, iter_state=point.iter_state
         )
         self._restarts_left -= 1
-        message = _replaced(lost, self._setup.max_worker_restarts, self._restarts_left)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)  # next or next_blocking (via step)
+        message = replaced(lost, self._setup.max_worker_restarts, self._restarts_left)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)  # next or next_blocking
         self.stats.restarted(lost.worker_id)
         self._backend.restart(lost.worker_id, plan)
         place = self._backend.place(lost.worker_id)
         self.stats.where[lost.worker_id] = place.name
-        if not place.started:
-            # (A replacement that starts slowly, a Ray actor: named again after each wait
-            # until it has started, as at the pass's start.)
+        if not place.started:  # (a Ray actor: named again after each wait until started)
             self._named = False
         for task_id in held:
             self._backend.submit(lost.worker_id, task_id, self._ledger.inflight[task_id].indices)
-
-    def _over_cap(self, error: TooManySampleErrors) -> None:
-        """Past max_skipped (the ledger raised it): the pass ends with TooManySampleErrors (a
-        kept backend stays: nothing is wrong with its workers)."""
-        self._fatal = error
-        self.close()
 
     def _deliver(self, task_id: int, outcome: Outcome, samples: int) -> Any:
         # Recorded before an error is raised too: a batch whose error reached the consumer
@@ -600,7 +512,7 @@ class Orchestrator:
             self._dispatch()
         iterable_len = self._setup.iterable_len
         if iterable_len is not None and self._num_yielded > iterable_len:
-            _warn_past_length(self._setup, self._num_yielded)
+            warn_past_length(self._setup, self._num_yielded)
         return value
 
     # -- failures ----------------------------------------------------------------------------
@@ -645,51 +557,6 @@ class Orchestrator:
             await _checkpoint()
             return
         await run_off_loop(self.close)
-
-
-class _Drawn:
-    """NOTE [a failing sampler]. The pass's batches as the sampler draws them; an error of the
-    sampler ends them, and is kept to be raised in its place.
-
-    Torch raises the sampler's error from the ``next()`` that was refilling the prefetch window,
-    which may be the one handing over a batch already fetched: that batch is lost, yet counted
-    as yielded. Here the error takes the place of the batch the sampler failed to make: the
-    batches drawn before it are delivered first, in order, then ``next()`` raises it
-    (``raise_error``, when nothing is left in flight), once, and the pass is over (the
-    sampler's iterator is finished, as torch's ``num_workers=0`` leaves it). ``state_dict()``
-    records exactly the batches that were yielded.
-
-    The error is kept without this frame: a traceback keeps its frames alive, and this one
-    links to the pass's call stack (the orchestrator, the iterator), which would then hold the
-    error in a cycle. The frames left are the sampler's own (generator frames, which hold no
-    link to their callers)."""
-
-    __slots__ = ("batches", "error")
-
-    def __init__(self, batches: Iterator[tuple[int, Any]]) -> None:
-        self.batches = batches
-        self.error: BaseException | None = None
-
-    def __iter__(self) -> _Drawn:
-        return self
-
-    def __next__(self) -> tuple[int, Any]:
-        try:
-            return next(self.batches)
-        except StopIteration:
-            raise
-        except Exception as error:
-            tb = error.__traceback__
-            self.error = error.with_traceback(tb.tb_next if tb is not None else None)
-            raise StopIteration from None
-
-    def raise_error(self) -> None:
-        error, self.error = self.error, None
-        if error is not None:
-            try:
-                raise error
-            finally:
-                del error  # (this frame is in its traceback)
 
 
 # Every pass of this process, for the fork hook below.
@@ -787,96 +654,3 @@ def _checkpoint() -> Generator[Any, Any, None]:
         yield from anyio.lowlevel.checkpoint().__await__()  # trio
     else:
         yield
-
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The modules whose frames hold a pass (its iterator, its orchestrator, or what they hold):
-# their functions are plain ones, or coroutines that have finished whenever an exception
-# passed out of them, so clearing their frames in a traceback never touches a live one.
-_PASS_HOLDERS = frozenset(
-    os.path.join(_PACKAGE, *name.split("/"))
-    for name in (
-        "_engine/orchestrator.py",
-        "_engine/ledger.py",
-        "loader.py",
-        "_progress.py",
-        "_aio/sync_loop.py",
-    )
-)
-
-
-def release_pass_frames(error: BaseException) -> None:
-    """Let go of what aioload's frames in ``error``'s traceback hold: the pass's iterator and
-    orchestrator, and the batches they were handing over.
-
-    An exception keeps every frame it passed through, with its locals, for as long as it lives,
-    and often longer than anyone expects: asyncio's task and the exception that ends it hold
-    each other (``asyncio.run`` raises out of such a cycle), a notebook keeps the last one in
-    ``sys.last_value``, a logger or a test keeps it. The iterator's frames would keep the pass,
-    and so its workers, alive with it until a garbage collection. Cleared here, the pass lives
-    exactly as long as the consumer's own references: an error that leaves the ``for`` or
-    ``async for`` drops the iterator, and its finalizer stops the workers at once, while a
-    consumer that catches the error inside the loop goes on with the same pass. The
-    traceback's text (files, lines, the user's own frames and locals) is untouched.
-
-    Frames that are still running (the caller's own) cannot be cleared; the iterators drop
-    their own references themselves before the error leaves them."""
-    tb = error.__traceback__
-    while tb is not None:
-        frame = tb.tb_frame
-        if frame.f_code.co_filename in _PASS_HOLDERS:
-            with contextlib.suppress(RuntimeError):  # still running
-                frame.clear()
-        tb = tb.tb_next
-
-
-def _warn_past_length(setup: PassSetup, num_yielded: int) -> None:
-    """torch's warning for an IterableDataset that yields more batches than its ``len`` said,
-    word for word (users grep for it), from ``Orchestrator._deliver``."""
-    warn_msg = (
-        f"Length of IterableDataset {setup.dataset} was reported to be "
-        f"{setup.iterable_len}(when accessing len(dataloader)), but "
-        f"{num_yielded} samples have been fetched. "
-    )
-    if setup.traits.runs_ahead:
-        warn_msg += (
-            "For multiprocessing data-loading, this could be caused by not properly "
-            "configuring the IterableDataset replica at each worker. Please see "
-            "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
-            "for examples."
-        )
-    warnings.warn(warn_msg, stacklevel=4)  # next or next_blocking, as for _lost's warning
-
-
-def _replaced(lost: WorkerLost, limit: int, restarts_left: int) -> str:
-    """``Orchestrator._lost``'s warning: the worker is replaced, its tasks sent again."""
-    return (
-        f"{lost.error} aioload replaced it with a new worker {lost.worker_id} "
-        f"(restart {limit - restarts_left} of max_worker_restarts={limit}) and is "
-        "sending its unfinished tasks again."
-    )
-
-
-def _timeout_error(
-    timeout: float, ledger: Ledger, backend: WorkerBackend
-) -> DataLoaderTimeoutError:
-    """The pass's ``timeout`` passed: the error, naming the task waited for and its worker."""
-    message = f"DataLoader timed out after {timeout} seconds"
-    oldest = ledger.oldest()
-    if oldest is not None:
-        waiting, sent = oldest
-        message += (
-            f" (waiting for batch {waiting} from DataLoader worker {sent.worker_id}, "
-            f"{backend.place(sent.worker_id).name}, holding indices {_short(sent.indices)})"
-        )
-    return DataLoaderTimeoutError(message, timeout=timeout)
-
-
-def _short(indices: Any, limit: int = 16) -> str:
-    try:
-        items = list(indices)
-    except TypeError:
-        return repr(indices)
-    if len(items) <= limit:
-        return repr(items)
-    return repr(items[:limit])[:-1] + f", ... ({len(items)} in all)]"

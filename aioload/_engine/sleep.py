@@ -1,0 +1,83 @@
+"""The wait that the engine's step loop prepares (``PlannedWait``), and its two performers: on
+the caller's event loop (``async for``) and in the calling thread (``for``).
+
+NOTE [one step loop] in ``_engine/orchestrator.py``: ``Orchestrator._advance`` is the loop of
+both ``next`` and ``next_blocking``; where a step has no batch, it plans the wait here and
+returns, and its caller performs the wait the way its front end waits, then comes back.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from .._backends.base import Waitable
+
+if TYPE_CHECKING:
+    from .._aio.waiting import Waiter
+    from .._backends.base import WorkerBackend
+    from .hang import HangWatch
+    from .ledger import Ledger
+    from .runahead import RunAhead
+
+__all__ = ["PlannedWait"]
+
+# The wait that is no wait: an overdue step's, which only ``next``'s checkpoint follows.
+_NO_WAIT = Waitable()
+
+
+class PlannedWait:
+    """One pass's next wait: what may end it (the backend's ``Waitable``) and how long it may
+    last, planned by ``plan`` and performed by ``perform`` or ``perform_blocking``. It sleeps
+    in the pass's ``Waiter``, on what the backend offers and on the pin stage's pipe."""
+
+    __slots__ = ("_waiter", "seconds", "waitable")
+
+    def __init__(self, waiter: Waiter) -> None:
+        self._waiter = waiter
+        self.waitable = _NO_WAIT
+        self.seconds = 0.0
+
+    def plan(
+        self,
+        backend: WorkerBackend,
+        awaited: int | None,
+        deadline: float,
+        hang: HangWatch,
+        ledger: Ledger,
+        ahead: RunAhead,
+    ) -> None:
+        """What is held back is sent (``flush``), then what may end the wait is asked
+        (``waitable``), and how long it may last: the backend's budget, the hang report's
+        and ``timeout``'s limit, and run-ahead's bound."""
+        backend.flush()
+        self.waitable = waitable = backend.waitable(awaited)
+        left = hang.sleep_limit(deadline, waitable, backend, ledger)
+        if waitable.work is None:
+            self.seconds = min(waitable.budget, left, ahead.sleep_bound())
+
+    def skip(self) -> None:
+        """No wait at all (an overdue step's): under ``async for`` only its checkpoint."""
+        self.waitable, self.seconds = _NO_WAIT, 0.0
+
+    async def perform(self) -> bool:
+        """On the caller's loop: until the backend may have something, the pin stage has a
+        batch, or the time is up; or the caller's work done instead. True where it went round
+        the loop (``Orchestrator.next`` then needs no checkpoint of its own)."""
+        waitable = self.waitable
+        if waitable.work is not None:
+            await waitable.work.work()
+        elif (timeout := self.seconds) > 0:
+            await self._waiter.wait(waitable.descriptor, timeout)
+            return waitable.descriptor is not None or timeout != math.inf
+        return False
+
+    def perform_blocking(self) -> bool:
+        """In the calling thread; False, having waited for nothing, where it needs an event
+        loop (an async dataset's fetch in this process)."""
+        waitable = self.waitable
+        if waitable.work is not None:
+            return waitable.work.work_blocking()
+        if (timeout := self.seconds) > 0:
+            self._waiter.wait_blocking(waitable.descriptor, timeout)
+        return True
