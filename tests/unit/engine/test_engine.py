@@ -118,12 +118,15 @@ def test_reorder_restores_sampler_order_whatever_the_answer_order() -> None:
 def test_each_wait_names_the_worker_whose_batch_is_next(front: str) -> None:
     # In order, each wait of either front end names the worker holding the next batch (the
     # process pool then sleeps on that worker's answers alone); out of order, no worker.
+    # (On the virtual clock: every answer is waited for, whatever the machine's load.)
     backend = FakeBackend(3, delay=lambda t: 0.002 * (12 - t))  # later tasks answer first
+    backend.clock = VirtualClock()
     assert _drain(_engine(backend, BATCHES)) == BATCHES
     assert len(backend.awaited) >= 3
     for awaited, unanswered in backend.awaited:
         assert awaited == unanswered[min(unanswered)]
     backend = FakeBackend(3, delay=lambda t: 0.002 * (12 - t))
+    backend.clock = VirtualClock()
     got = _drain(_engine(backend, BATCHES, in_order=False))
     assert sorted(got) == BATCHES
     assert backend.awaited and all(awaited is None for awaited, _ in backend.awaited)
