@@ -66,7 +66,9 @@ from .worker_process import (
     not_my_child,
     start_process,
     stop_processes,
-    unforked_ends,
+)
+from .worker_process import (
+    unforked_ends as _unforked_ends,
 )
 
 __all__ = ["WorkerPool"]
@@ -107,10 +109,10 @@ def _disown_after_fork() -> None:
         with contextlib.suppress(OSError):
             channel.close()
     _parent_fds.clear()
-    for end in list(unforked_ends):
+    for end in list(_unforked_ends):
         with contextlib.suppress(OSError):
             end.close()
-    unforked_ends.clear()
+    _unforked_ends.clear()
     for pool in list(_pools):
         pool.closed = True
         pool.retired = True
@@ -386,7 +388,7 @@ class WorkerPool:
         # here) closes its inherited copy of our end (see _disown_after_fork): holding it, a
         # worker would never see EOF from us.
         _parent_fds.add(channel)
-        unforked_ends.add(child_sock)
+        _unforked_ends.add(child_sock)
         worker = WorkerHandle(worker_id, channel, child_sock)
         worker.release = self._make_release(worker)
         self.selector.register(channel.sock, selectors.EVENT_READ, (worker, "sock"))
@@ -418,7 +420,7 @@ class WorkerPool:
         worker.channel.close()
         end, worker.child_end = worker.child_end, None
         if end is not None:
-            unforked_ends.discard(end)
+            _unforked_ends.discard(end)
             end.close()
 
     def _make_release(self, worker: WorkerHandle) -> Callable[[int], None]:
