@@ -48,10 +48,10 @@ from ..errors import DataLoaderTimeoutError
 from ..stats import PassStats, SkipCap
 from .hang import NO_HANG_REPORT, HangWatch
 from .ledger import Ledger
+from .pass_tuning import PassTuning
 from .pinning import PinStage, Transfer
 from .resume import PassProgress
 from .runahead import RunAhead
-from .tuning import PassTuning
 
 __all__ = ["END", "PENDING", "Orchestrator", "PassSetup", "release_pass_frames", "track_pass"]
 
