@@ -640,4 +640,3 @@ class Controller:
             "last_window": None if self.last_window is None else self.last_window.as_dict(),
             "pass_window": None if self.pass_window is None else self.pass_window.as_dict(),
         }
-
