@@ -336,7 +336,7 @@ class PassStats:
         self.skipped: list[SkippedSample] = []
         # Batches a resumed pass had yielded before its checkpoint (a progress bar starts there).
         self.resumed_batches = 0
-        # The pass's feed to the "auto" controller (``_engine.tuning.PassTuning``), if any:
+        # The pass's feed to the "auto" controller (``_engine.pass_tuning.PassTuning``), if any:
         # it has ``report()`` and ``brief()``.
         self.tuning: Any = None
         # The latest batch waited for past hang_report_after (``_engine.hang``), if any.

@@ -474,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     workloads = [w for w in args.workloads.split(",") if w]
     cpu_iters = calibrate_cpu_iters() if "cpu" in workloads else 0
-    from aioload._engine.tuning import usable_cores
+    from aioload._engine.measure import usable_cores
     from benchmarks.httpserver import object_store
 
     started = time.monotonic()

@@ -4,7 +4,11 @@ first batch counted from before ``import aioload`` (:mod:`benchmarks._first_batc
     python -m benchmarks.startup [--workers 2 4 8 14] [--rounds 5] [--workload tiny]
 
 prints the first batch at each worker count, aioload's (under ``for`` and ``async for``) and
-torch's, alternating, as medians.
+torch's, alternating, as medians, and then a verdict per worker count and front: aioload's first
+batch over torch's, as the median of each round's ratio (the two ran side by side, under the
+same load). The command exits 1 when one of them is over ``--max-ratio`` (0.8 by default), so
+that a slower start is seen where it is made; ``--max-ratio 0`` prints the ratios but judges
+nothing.
 
 Every child runs with bytecode caching on (``PYTHONDONTWRITEBYTECODE`` removed) after
 :func:`compile_package` has written aioload's ``.pyc`` files: torch's own modules are always
@@ -28,6 +32,9 @@ _REPO_DIR = Path(__file__).resolve().parents[1]
 _PKG_DIR = _REPO_DIR / "aioload"
 _REPO = str(_REPO_DIR)
 _FIRST_BATCH = str(Path(__file__).with_name("_first_batch.py"))
+
+# aioload's first batch must take at most this share of torch's (fresh process, same run).
+MAX_RATIO = 0.8
 
 _IMPORT_PROBE = """
 import sys, time
@@ -117,21 +124,56 @@ def first_batch(
     return _json_child(cmd, timeout_s)
 
 
+Runs = dict[tuple[str, str, int], list[dict[str, Any]]]
+
+
+def verdicts(runs: Runs, max_ratio: float) -> tuple[list[str], bool]:
+    """One line per worker count and front: aioload's fresh-process first batch over
+    torch's, the median of the rounds' ratios (round i of each ran side by side), PASS or
+    FAIL against ``max_ratio`` (0: not judged); and whether every one passed."""
+    lines: list[str] = []
+    ok = True
+    for (loader, front, n), records in sorted(runs.items()):
+        if loader != "aioload":
+            continue
+        torch_records = runs[("torch", "sync", n)]
+        ratios = [
+            float(mine["first_batch_s"]) / float(theirs["first_batch_s"])
+            for mine, theirs in zip(records, torch_records, strict=True)
+        ]
+        ratio = statistics.median(ratios)
+        passed = not max_ratio or ratio <= max_ratio
+        ok = ok and passed
+        verdict = "----" if not max_ratio else "PASS" if passed else "FAIL"
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
+        lines.append(
+            f"{verdict} first batch, {n} workers, aioload ({'async for' if front == 'async' else 'for'})"
+            f" / torch: {ratio:.2f}x (rounds {spread}), target <= {max_ratio:.2f}x"
+        )
+    return lines, ok
+
+
 def main(argv: list[str] | None = None) -> int:
     """The first batch at each worker count: a fresh process's, and a later epoch's (the
-    workers start again), for aioload and torch in alternation; medians as a Markdown table."""
+    workers start again), for aioload and torch in alternation; medians as a Markdown table,
+    then the verdicts (:func:`verdicts`). 1 when aioload's first batch is over ``--max-ratio``
+    of torch's."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.startup")
     p.add_argument("--workload", default="tiny")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8, 14])
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument(
+        "--max-ratio",
+        type=float,
+        default=MAX_RATIO,
+        help="fail when aioload's first batch is over this share of torch's (0: judge nothing)",
+    )
     a = p.parse_args(argv)
     compile_package()
     # (loader, front): torch's under ``for``, aioload's under ``for`` and ``async for``.
     kinds = (("torch", "sync"), ("aioload", "sync"), ("aioload", "async"))
-    runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {
-        (loader, front, n): [] for n in a.workers for loader, front in kinds
-    }
+    runs: Runs = {(loader, front, n): [] for n in a.workers for loader, front in kinds}
     for _ in range(a.rounds):
         for n in a.workers:
             for loader, front in kinds:
@@ -150,6 +192,15 @@ def main(argv: list[str] | None = None) -> int:
             for key in ("first_batch_s", "later_epoch_first_batch_s")
         ]
         print(f"| {n} | {cells[0]} | {cells[1]} |")
+    lines, ok = verdicts(runs, a.max_ratio)
+    print("\n".join(lines))
+    if not ok:
+        print(
+            f"FAIL: aioload's first batch is over {a.max_ratio:.2f}x torch's "
+            "(python -m benchmarks.startup; docs/benchmarks.md, start-up)",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

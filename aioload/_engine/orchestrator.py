@@ -45,7 +45,7 @@ from .._wire.messages import (
 from ..errors import TooManySampleErrors
 from ..stats import PassStats
 from .ledger import Ledger
-from .passes import (
+from .pass_setup import (
     Drawn,
     PassResources,
     PassSetup,
@@ -410,7 +410,7 @@ class Orchestrator:
         self._named = named
 
     def _apply_tuning(self) -> None:
-        """What the controller (``_engine.tuning``) chose: the slots dispatched to (retired
+        """What the controller (``_engine.pass_tuning``) chose: the slots dispatched to (retired
         slots keep the tasks they hold, and answer them; their task ids keep the order), the
         tasks in flight, and an async dataset's fetches in flight per worker."""
         tuning = self._tuning

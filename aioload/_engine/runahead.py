@@ -35,7 +35,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .tuning import batch_bytes
+from .measure import batch_bytes
 
 if TYPE_CHECKING:
     from ..stats import PassStats

@@ -31,7 +31,9 @@ from .._worker.datapipes import SharedSeeds, is_datapipe, is_iter_datapipe, rese
 from .._worker.fetch import SamplePolicy, is_stateful
 from ..stats import PassStats, SkipCap
 from .hang import NO_HANG_REPORT, HangWatch
+from .measure import usable_cores
 from .orchestrator import Orchestrator, PassSetup, track_pass
+from .pass_tuning import PassTuning, auto_arguments
 from .pinning import Transfer
 from .resume import (
     PassProgress,
@@ -46,7 +48,6 @@ from .resume import (
 )
 from .samplers import loader_generators
 from .state_format import ParsedState, check_fit
-from .tuning import PassTuning, auto_arguments, usable_cores
 
 __all__ = [
     "LoaderView",

@@ -1,13 +1,13 @@
 """``num_workers="auto"``, ``prefetch_factor="auto"``, ``worker_concurrency="auto"``: a
 controller that reads a pass's own counters and adjusts the loader while it runs.
 
-Two parts:
+Two parts, in two modules:
 
-- :class:`Controller` is pure: it is fed one :class:`Window` of measurements at a time (the
+- :class:`Controller` (here) is pure: it is fed one :class:`Window` of measurements at a time (the
   consumer's waiting share, the workers' busy share, idle cores, the parent's CPU, queue
   depths, batch bytes) and answers with :class:`Change` records, each with its reason. It reads
   no clock and no counter of its own, so tests drive it with scripted windows.
-- :class:`PassTuning` is one pass's side of it: it turns the pass's ``PassStats`` counters into
+- ``PassTuning`` (:mod:`.pass_tuning`) is one pass's side of it: it turns the pass's ``PassStats`` counters into
   windows (one every ``min_batches`` batches and ``min_seconds`` seconds, or ``max_seconds``),
   and the orchestrator applies what the controller decides (``Orchestrator._apply_tuning``).
   A worker's trial is judged on a double window.
@@ -40,29 +40,19 @@ How the controller decides (docs/tuning.md says the same for users):
   known, by lowering depth first, then workers.
 """
 
-from __future__ import annotations
-
-import contextlib
 import math
-import numbers
-import os
-import time
 from collections import deque
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 __all__ = [
     "AUTO",
-    "AutoArguments",
     "Change",
     "Controller",
-    "PassTuning",
+    "ControllerSettings",
     "Window",
-    "auto_arguments",
-    "batch_bytes",
-    "cgroup_cpu_quota",
-    "usable_cores",
 ]
+
 
 AUTO = "auto"
 
@@ -107,134 +97,6 @@ MAX_SECONDS = 2.0
 # Changes kept for stats() (the oldest are dropped first).
 MAX_CHANGES = 100
 _SETTLING_START = "settling: the pass's workers start during its first window"
-
-
-# -- the machine ------------------------------------------------------------------------------
-
-
-def cgroup_cpu_quota(root: str = "/sys/fs/cgroup", proc_self: str = "/proc/self") -> float | None:
-    """The CPU quota of this process's cgroup in cores (cgroup v2 ``cpu.max``, or v1
-    ``cpu.cfs_quota_us / cpu.cfs_period_us``), the smallest along the path to the root; None
-    where there is none (or no cgroup file system)."""
-    quotas: list[float] = []
-    base = Path(root)
-    try:
-        lines = Path(proc_self, "cgroup").read_text().splitlines()
-    except OSError:
-        lines = []
-    paths: list[Path] = []
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hierarchy, controllers, path = parts
-        if hierarchy == "0" and controllers == "":
-            # v2: cpu.max in the process's own cgroup and each above it.
-            here = base / path.lstrip("/")
-            while True:
-                paths.append(here / "cpu.max")
-                if here == base or base not in here.parents:
-                    break
-                here = here.parent
-        elif "cpu" in controllers.split(","):
-            for mount in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
-                directory = base / mount
-                if directory.is_dir():
-                    paths.append(directory / path.lstrip("/") / "cpu.cfs_quota_us")
-                    paths.append(directory / "cpu.cfs_quota_us")
-                    break
-    if not paths:
-        paths = [base / "cpu.max"]
-    for candidate in paths:
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            if candidate.name == "cpu.max":
-                fields = candidate.read_text().split()
-                if fields[0] != "max":
-                    period = int(fields[1]) if len(fields) > 1 else 100_000
-                    quotas.append(int(fields[0]) / period)
-            else:
-                quota_us = int(candidate.read_text())
-                period_us = int((candidate.parent / "cpu.cfs_period_us").read_text())
-                if quota_us > 0 and period_us > 0:
-                    quotas.append(quota_us / period_us)
-    return min(quotas) if quotas else None
-
-
-def _affinity() -> set[int]:
-    try:
-        return set(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return set(range(os.cpu_count() or 1))
-
-
-def usable_cores() -> int:
-    """The cores this process may use: its CPU affinity, and its cgroup's CPU quota (rounded
-    to the nearest core, at least one)."""
-    cores = len(_affinity()) or 1
-    quota = cgroup_cpu_quota()
-    if quota is not None:
-        cores = min(cores, max(1, int(quota + 0.5)))
-    return max(1, cores)
-
-
-class _IdleCpus:
-    """Idle time of the cores in this process's affinity, from ``/proc/stat`` (idle + iowait
-    jiffies), in cores, between two calls; None where it cannot be read."""
-
-    def __init__(self, cpus: set[int], path: str = "/proc/stat") -> None:
-        self.names = {f"cpu{n}" for n in cpus}
-        self.path = path
-        self.last = self._read()
-
-    def _read(self) -> tuple[int, int] | None:
-        idle = total = 0
-        try:
-            with open(self.path, "rb") as source:
-                for raw in source:
-                    if not raw.startswith(b"cpu"):
-                        break
-                    fields = raw.split()
-                    if fields[0].decode() not in self.names:
-                        continue
-                    ticks = [int(x) for x in fields[1:9]]
-                    idle += ticks[3] + ticks[4]
-                    total += sum(ticks)
-        except (OSError, ValueError, IndexError):
-            return None
-        return (idle, total) if total else None
-
-    def sample(self, since: tuple[int, int] | None = None) -> float | None:
-        """Idle cores since the last call (or since ``since``, a reading: then the last
-        reading stays)."""
-        now = self._read()
-        if since is None:
-            since, self.last = self.last, now
-        if now is None or since is None or now[1] <= since[1]:
-            return None
-        return (now[0] - since[0]) / (now[1] - since[1]) * len(self.names)
-
-
-def batch_bytes(batch: Any, depth: int = 0) -> int:
-    """Bytes of a batch's tensors and arrays (in lists, tuples and dicts, a few levels deep)."""
-    try:
-        nbytes = getattr(batch, "nbytes", None)
-    except Exception:
-        # A sparse tensor has no nbytes (its dense size below stands in), and a user's object
-        # may raise anything: this is an estimate, which must never end the pass.
-        nbytes = None
-    if isinstance(nbytes, int):
-        return nbytes
-    element_size = getattr(batch, "element_size", None)
-    if callable(element_size) and hasattr(batch, "nelement"):
-        return int(element_size()) * int(batch.nelement())
-    if depth >= 4:
-        return 0
-    if isinstance(batch, dict):
-        return sum(batch_bytes(v, depth + 1) for v in list(batch.values())[:256])
-    if isinstance(batch, list | tuple):
-        return sum(batch_bytes(v, depth + 1) for v in batch[:256])
-    return 0
-
 
 # -- the controller ---------------------------------------------------------------------------
 
@@ -300,7 +162,7 @@ class Change(NamedTuple):
         }
 
 
-class _Knob:
+class Knob:
     __slots__ = (
         "auto",
         "ceiling",
@@ -348,7 +210,7 @@ class _Knob:
 
 
 class _Trial(NamedTuple):
-    knob: _Knob
+    knob: Knob
     old: int
     new: int
     baseline: float  # samples/s before the change
@@ -357,56 +219,59 @@ class _Trial(NamedTuple):
     depth_before: int | None = None
 
 
+@dataclass(frozen=True)
+class ControllerSettings:
+    """What a :class:`Controller` is made from. ``workers``/``depth``/``concurrency``: an int
+    pins the knob; None makes it automatic. ``max_workers``: the slots the backend has (the
+    cores the process may use). ``per_pass_workers``: an IterableDataset's worker count, which
+    cannot change within a pass (each worker holds its own stream): chosen at the start of
+    each pass from the previous pass's measurements (``Controller.pass_workers``). The window:
+    ``min_batches`` batches and ``min_seconds``, or ``max_seconds``."""
+
+    workers: int | None
+    depth: int | None
+    concurrency: int | None
+    max_workers: int
+    cores: int
+    max_memory: int | None = None
+    per_pass_workers: bool = False
+    min_batches: int = MIN_BATCHES
+    min_seconds: float = MIN_SECONDS
+    max_seconds: float = MAX_SECONDS
+
+
 class Controller:
-    """The decisions of one loader, across its passes. ``None`` for a knob pins it at its
-    start value (the integer the user passed).
+    """The decisions of one loader, across its passes, from its :class:`ControllerSettings`."""
 
-    ``workers``/``depth``/``concurrency``: an int pins the knob; None makes it automatic.
-    ``max_workers``: the slots the backend has (the cores the process may use).
-    ``per_pass_workers``: an IterableDataset's worker count, which cannot change within a
-    pass (each worker holds its own stream): chosen at the start of each pass from the
-    previous pass's measurements (``pass_workers``).
-    """
-
-    def __init__(
-        self,
-        *,
-        workers: int | None,
-        depth: int | None,
-        concurrency: int | None,
-        max_workers: int,
-        cores: int,
-        max_memory: int | None = None,
-        per_pass_workers: bool = False,
-        min_batches: int = MIN_BATCHES,
-        min_seconds: float = MIN_SECONDS,
-        max_seconds: float = MAX_SECONDS,
-    ) -> None:
-        self.cores = cores
-        self.max_memory = max_memory
-        self.per_pass_workers = per_pass_workers
-        self.min_batches = min_batches
-        self.min_seconds = min_seconds
-        self.max_seconds = max_seconds
-        max_workers = max(1, max_workers)
+    def __init__(self, settings: ControllerSettings) -> None:
+        self.settings = settings
+        self.cores = settings.cores
+        self.max_memory = settings.max_memory
+        self.per_pass_workers = per_pass_workers = settings.per_pass_workers
+        self.min_batches = settings.min_batches
+        self.min_seconds = settings.min_seconds
+        self.max_seconds = settings.max_seconds
+        workers, depth, concurrency = settings.workers, settings.depth, settings.concurrency
+        cores = settings.cores
+        max_workers = max(1, settings.max_workers)
         if workers is None:
             start = min(START_WORKERS, max_workers)
             if per_pass_workers:
                 # The first pass cannot grow: start at the cores less one for the consumer.
                 start = min(max_workers, max(start, cores - 1))
-            self.workers = _Knob(WORKERS, True, start, 1, max_workers)
+            self.workers = Knob(WORKERS, True, start, 1, max_workers)
         else:
-            self.workers = _Knob(WORKERS, False, workers, workers, workers)
+            self.workers = Knob(WORKERS, False, workers, workers, workers)
         if depth is None:
-            self.depth = _Knob(DEPTH, True, START_DEPTH, MIN_DEPTH, MAX_DEPTH)
+            self.depth = Knob(DEPTH, True, START_DEPTH, MIN_DEPTH, MAX_DEPTH)
         else:
-            self.depth = _Knob(DEPTH, False, depth, depth, depth)
+            self.depth = Knob(DEPTH, False, depth, depth, depth)
         if concurrency is None:
-            self.concurrency = _Knob(
+            self.concurrency = Knob(
                 CONCURRENCY, True, START_CONCURRENCY, START_CONCURRENCY, MAX_CONCURRENCY
             )
         else:
-            self.concurrency = _Knob(CONCURRENCY, False, concurrency, concurrency, concurrency)
+            self.concurrency = Knob(CONCURRENCY, False, concurrency, concurrency, concurrency)
         self.changes: deque[Change] = deque(maxlen=MAX_CHANGES)
         self.passes = 0
         self.last_window: Window | None = None
@@ -431,7 +296,7 @@ class Controller:
         return 2 if self._skip or (trial is not None and trial.knob is self.workers) else 1
 
     @property
-    def knobs(self) -> tuple[_Knob, _Knob, _Knob]:
+    def knobs(self) -> tuple[Knob, Knob, Knob]:
         return (self.workers, self.depth, self.concurrency)
 
     @property
@@ -517,7 +382,7 @@ class Controller:
         starting, self._starting = self._starting, False
         return self._decide(window, starting)
 
-    def _record(self, knob: _Knob, new: int, reason: str) -> Change:
+    def _record(self, knob: Knob, new: int, reason: str) -> Change:
         change = Change(knob.name, knob.value, new, reason, max(0, self._pass_index), self._at_s)
         knob.moved(new)
         self.changes.append(change)
@@ -525,7 +390,7 @@ class Controller:
         return change
 
     def _try(
-        self, knob: _Knob, new: int, window: Window, reason: str, depth: int | None = None
+        self, knob: Knob, new: int, window: Window, reason: str, depth: int | None = None
     ) -> list[Change]:
         """Make one trial move; ``depth``: a prefetch depth that moves with it (concurrency)."""
         moved_depth = depth is not None and depth != self.depth.value
@@ -775,241 +640,3 @@ class Controller:
             "last_window": None if self.last_window is None else self.last_window.as_dict(),
             "pass_window": None if self.pass_window is None else self.pass_window.as_dict(),
         }
-
-
-# -- one pass's measurements ------------------------------------------------------------------
-
-
-class _Mark(NamedTuple):
-    at: float
-    batches: int
-    samples: int
-    waiting_s: float
-    between_s: float
-    busy_s: tuple[float, ...]
-    cpu_s: float
-
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm", "rb") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-class PassTuning:
-    """One pass's feed to the controller: called by the orchestrator for every batch it hands
-    over (a counter and a clock read), it closes a window every ``min_batches`` batches and
-    ``min_seconds`` (or ``max_seconds``), and returns True when the controller changed
-    something the orchestrator must apply."""
-
-    def __init__(self, controller: Controller, stats: Any) -> None:
-        self.controller = controller
-        self.stats = stats
-        stats.tuning = self
-        self._idle = _IdleCpus(_affinity())
-        self._first: _Mark | None = None
-        self._first_idle: tuple[int, int] | None = None
-        self._mark: _Mark | None = None
-        self._batches = 0
-        self._in_flight = 0
-        self._waiting = 0
-        self._largest = 0
-
-    @property
-    def workers(self) -> int:
-        return self.controller.workers.value
-
-    @property
-    def depth(self) -> int:
-        return self.controller.depth.value
-
-    @property
-    def concurrency(self) -> int | None:
-        knob = self.controller.concurrency
-        return knob.value if knob.auto else None
-
-    def report(self) -> dict[str, Any]:
-        return self.controller.report()
-
-    def brief(self) -> str:
-        return self.controller.brief()
-
-    def _take_mark(self, now: float) -> _Mark:
-        stats = self.stats
-        return _Mark(
-            now,
-            stats.batches,
-            stats.samples,
-            stats.waiting_s,
-            stats.between_s,
-            tuple(w.busy_s for w in stats.workers),
-            time.process_time(),
-        )
-
-    def after_batch(self, batch: Any, in_flight: int, waiting: int) -> bool:
-        now = time.perf_counter()
-        mark = self._mark
-        if mark is None:
-            self._first = self._mark = self._take_mark(now)
-            self._idle.sample()
-            self._first_idle = self._idle.last
-            return False
-        self._batches += 1
-        self._in_flight += in_flight
-        self._waiting += waiting
-        controller = self.controller
-        elapsed = now - mark.at
-        factor = controller.window_factor
-        if not (
-            (
-                self._batches >= controller.min_batches * factor
-                and elapsed >= controller.min_seconds * factor
-            )
-            or (self._batches >= 2 and elapsed >= controller.max_seconds)
-        ):
-            return False
-        size = batch_bytes(batch)
-        window = self._window(mark, now, max(self._largest, size))
-        first = self._first
-        assert first is not None
-        controller.pass_window = self._window(first, now, max(self._largest, size), whole=True)
-        self._mark = self._take_mark(now)
-        self._batches = self._in_flight = self._waiting = 0
-        self._largest = 0
-        return bool(controller.observe(window, now - first.at))
-
-    def _window(self, mark: _Mark, now: float, size: int, whole: bool = False) -> Window:
-        stats, controller = self.stats, self.controller
-        seconds = now - mark.at
-        waiting_s = stats.waiting_s - mark.waiting_s
-        between_s = stats.between_s - mark.between_s
-        consumer = waiting_s + between_s
-        active = min(controller.workers.value, len(stats.workers), len(mark.busy_s)) or 1
-        busy_s = sum(stats.workers[w].busy_s - mark.busy_s[w] for w in range(active))
-        busy = busy_s / (seconds * active) if seconds > 0 else 0.0
-        batches = stats.batches - mark.batches
-        idle = self._idle.sample(self._first_idle if whole else None)
-        if idle is not None and controller.cores < len(self._idle.names):
-            # A CPU quota below the affinity: the quota's own headroom counts.
-            used = (time.process_time() - mark.cpu_s) / seconds + busy * active
-            idle = min(idle, controller.cores - used)
-        return Window(
-            seconds=seconds,
-            batches=batches,
-            samples=stats.samples - mark.samples,
-            waiting=waiting_s / consumer if consumer > 0 else 0.0,
-            busy=min(1.0, max(0.0, busy)),
-            idle_cores=idle,
-            parent_cpu=(time.process_time() - mark.cpu_s) / seconds if seconds > 0 else 0.0,
-            in_flight=self._in_flight / batches if batches and not whole else 0.0,
-            head_of_line=self._waiting / batches if batches and not whole else 0.0,
-            batch_bytes=size,
-            rss_bytes=_rss_bytes() if not whole else 0,
-        )
-
-
-# -- the DataLoader's arguments ---------------------------------------------------------------
-
-
-class AutoArguments(NamedTuple):
-    """What a loader with an "auto" argument gives torch's ``__init__`` (integers it accepts),
-    and the controller that keeps the rest."""
-
-    num_workers: int
-    prefetch_factor: int | None
-    worker_concurrency: int
-    controller: Controller
-
-
-def _is_auto(value: Any) -> bool:
-    return isinstance(value, str) and value == AUTO
-
-
-def _budget_bytes(max_memory: Any) -> int:
-    """``max_memory`` as whole bytes: an integer (numpy's too), or a float such as ``2e9``;
-    a bool, a string or anything under one byte is refused."""
-    value: int | None = None
-    if not isinstance(max_memory, bool):
-        if isinstance(max_memory, numbers.Integral):
-            value = int(max_memory)
-        elif isinstance(max_memory, numbers.Real) and math.isfinite(float(max_memory)):
-            value = math.floor(float(max_memory))
-    if value is None or value < 1:
-        raise ValueError(
-            "max_memory option should be None or a positive number of bytes, but got "
-            f"max_memory={max_memory!r}"
-        )
-    return value
-
-
-def auto_arguments(
-    num_workers: Any,
-    prefetch_factor: Any,
-    worker_concurrency: Any,
-    max_memory: Any,
-    *,
-    iterable: bool,
-    is_async: bool,
-) -> AutoArguments | None:
-    """Validate the "auto" arguments and ``max_memory``; None when there is nothing to tune
-    (every number is the user's, and no budget): the loader then behaves exactly as before.
-    Integers are left for the usual checks (torch's, and the loader's own)."""
-    for name, value, kind in (
-        ("num_workers", num_workers, "a non-negative"),
-        ("prefetch_factor", prefetch_factor, "a positive"),
-        ("worker_concurrency", worker_concurrency, "a positive"),
-    ):
-        if isinstance(value, str) and value != AUTO:
-            raise ValueError(
-                f"{name} option should be {kind} integer or 'auto', but got {name}={value!r}"
-            )
-    if max_memory is not None:
-        max_memory = _budget_bytes(max_memory)
-    auto_workers = _is_auto(num_workers)
-    auto_depth = _is_auto(prefetch_factor)
-    # A sync dataset fetches one sample at a time: "auto" has only 1 to choose from.
-    auto_concurrency = _is_auto(worker_concurrency) and is_async
-    if not (auto_workers or auto_depth or auto_concurrency):
-        if max_memory is not None:
-            raise ValueError(
-                "max_memory bounds what num_workers='auto' and prefetch_factor='auto' choose: "
-                "pass one of them with it"
-            )
-        return None
-    if not auto_workers and num_workers == 0 and auto_depth:
-        # torch's own refusal of a prefetch_factor without workers.
-        raise ValueError(
-            "prefetch_factor option could only be specified in multiprocessing."
-            "let num_workers > 0 to enable multiprocessing, otherwise set prefetch_factor to None."
-        )
-    cores = usable_cores()
-    controller = Controller(
-        workers=None if auto_workers else int(num_workers),
-        depth=None if auto_depth else None if prefetch_factor is None else int(prefetch_factor),
-        concurrency=None if auto_concurrency else 1,
-        max_workers=cores,
-        cores=cores,
-        max_memory=max_memory,
-        per_pass_workers=iterable,
-    )
-    if not auto_depth and prefetch_factor is None:
-        controller.depth = _Knob(DEPTH, False, START_DEPTH, START_DEPTH, START_DEPTH)
-    if not auto_concurrency:
-        value = 1 if _is_auto(worker_concurrency) else worker_concurrency
-        controller.concurrency = _Knob(CONCURRENCY, False, value, value, value)
-    # torch's __init__ sees what the pool is built with: every slot (map-style), or the first
-    # pass's count (an IterableDataset, whose count holds for a pass).
-    torch_workers = num_workers
-    if auto_workers:
-        torch_workers = controller.workers.value if iterable else controller.workers.high
-    torch_prefetch = prefetch_factor
-    if auto_depth:
-        torch_prefetch = START_DEPTH if torch_workers else None
-    return AutoArguments(
-        num_workers=torch_workers,
-        prefetch_factor=torch_prefetch,
-        worker_concurrency=controller.concurrency.value,
-        controller=controller,
-    )

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 import aioload
-from aioload._engine import tuning
+from aioload._engine import pass_tuning, tuning
 from tests.helpers import seeded_per_sample
 
 pytestmark = [
@@ -69,7 +69,7 @@ class Scripted(tuning.Controller):
     """Moves to the next (workers, depth, concurrency) of ``script`` at every window."""
 
     def __init__(self, script: list[tuple[int, int, int]], **settings: Any) -> None:
-        super().__init__(min_batches=2, min_seconds=0.0, **settings)
+        super().__init__(tuning.ControllerSettings(min_batches=2, min_seconds=0.0, **settings))
         self.script = itertools.cycle(script)
 
     def observe(self, window: tuning.Window, at_s: float = 0.0) -> list[tuning.Change]:
@@ -104,7 +104,7 @@ def scripted(loader: aioload.DataLoader[Any], script: list[tuple[int, int, int]]
 
 @pytest.fixture
 def three_cores(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tuning, "usable_cores", lambda: 3)
+    monkeypatch.setattr(pass_tuning, "usable_cores", lambda: 3)
 
 
 SCRIPT = [(1, 1, 4), (3, 2, 8), (2, 4, 4), (1, 8, 16), (3, 1, 4)]
@@ -134,7 +134,7 @@ def test_slots_the_controller_never_activates_start_no_process(
     monkeypatch: pytest.MonkeyPatch, front: str
 ) -> None:
     """Six slots, a controller that holds two workers: two processes, under either front."""
-    monkeypatch.setattr(tuning, "usable_cores", lambda: 6)
+    monkeypatch.setattr(pass_tuning, "usable_cores", lambda: 6)
     loader = aioload.DataLoader(Numbers(), batch_size=4, num_workers="auto")
     assert loader.num_workers == 6
     scripted(loader, [(2, 2, 1)])

@@ -189,7 +189,7 @@ def test_a_checkpoint_taken_while_batches_wait_ahead_resumes_exactly(front: str)
 def test_batch_bytes_is_an_estimate_that_never_raises() -> None:
     """A sparse tensor has no ``nbytes`` (torch raises), nor may a user's object in a batch:
     the run-ahead's memory estimate measures them without ending the pass."""
-    from aioload._engine.tuning import batch_bytes
+    from aioload._engine.measure import batch_bytes
 
     class Odd:
         @property

@@ -12,18 +12,17 @@ from typing import Any
 
 import pytest
 
-from aioload._engine import tuning
+from aioload._engine import measure, pass_tuning, tuning
+from aioload._engine.measure import batch_bytes, cgroup_cpu_quota
+from aioload._engine.pass_tuning import PassTuning, auto_arguments
 from aioload._engine.tuning import (
     CONCURRENCY,
     DEPTH,
     MAX_CONCURRENCY,
     WORKERS,
     Controller,
-    PassTuning,
+    ControllerSettings,
     Window,
-    auto_arguments,
-    batch_bytes,
-    cgroup_cpu_quota,
 )
 
 
@@ -53,7 +52,7 @@ def controller(**overrides: Any) -> Controller:
         workers=None, depth=2, concurrency=1, max_workers=8, cores=8, max_memory=None
     )
     settings.update(overrides)
-    made = Controller(**settings)
+    made = Controller(ControllerSettings(**settings))
     made.begin_pass()
     return made
 
@@ -384,7 +383,9 @@ def test_depth_does_not_grow_without_an_idle_core() -> None:
 
 def test_an_iterable_dataset_count_changes_only_between_passes() -> None:
     c = Controller(
-        workers=None, depth=2, concurrency=1, max_workers=8, cores=8, per_pass_workers=True
+        ControllerSettings(
+            workers=None, depth=2, concurrency=1, max_workers=8, cores=8, per_pass_workers=True
+        )
     )
     c.begin_pass()
     start = c.pass_workers()
@@ -422,9 +423,17 @@ class _Stats:
 
 def test_pass_tuning_turns_counters_into_windows(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [100.0]
-    monkeypatch.setattr("aioload._engine.tuning.time.perf_counter", lambda: clock[0])
+    monkeypatch.setattr("aioload._engine.pass_tuning.time.perf_counter", lambda: clock[0])
     c = Controller(
-        workers=2, depth=None, concurrency=1, max_workers=2, cores=2, min_batches=4, min_seconds=1.0
+        ControllerSettings(
+            workers=2,
+            depth=None,
+            concurrency=1,
+            max_workers=2,
+            cores=2,
+            min_batches=4,
+            min_seconds=1.0,
+        )
     )
     c.begin_pass()
     stats = _Stats(2)
@@ -488,11 +497,11 @@ def test_no_cgroup_quota(tmp_path: Path) -> None:
 
 
 def test_usable_cores_takes_the_quota(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tuning, "_affinity", lambda: set(range(16)))
-    monkeypatch.setattr(tuning, "cgroup_cpu_quota", lambda: 3.6)
-    assert tuning.usable_cores() == 4
-    monkeypatch.setattr(tuning, "cgroup_cpu_quota", lambda: None)
-    assert tuning.usable_cores() == 16
+    monkeypatch.setattr(measure, "affinity", lambda: set(range(16)))
+    monkeypatch.setattr(measure, "cgroup_cpu_quota", lambda: 3.6)
+    assert measure.usable_cores() == 4
+    monkeypatch.setattr(measure, "cgroup_cpu_quota", lambda: None)
+    assert measure.usable_cores() == 16
 
 
 # -- arguments ------------------------------------------------------------------------------
@@ -504,7 +513,7 @@ def test_integers_mean_what_they_always_meant() -> None:
 
 
 def test_auto_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tuning, "usable_cores", lambda: 6)
+    monkeypatch.setattr(pass_tuning, "usable_cores", lambda: 6)
     auto = auto_arguments("auto", "auto", "auto", None, iterable=False, is_async=True)
     assert auto is not None
     # torch sees every slot (map-style), depth 2, and the async start of 4.

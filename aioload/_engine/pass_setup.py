@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .ledger import Ledger
     from .pinning import PinStage, Transfer
     from .resume import PassProgress
-    from .tuning import PassTuning
+    from .pass_tuning import PassTuning
 
 __all__ = [
     "Drawn",
@@ -64,7 +64,7 @@ class PassSetup(NamedTuple):
     # max_skipped, if any (on_sample_error).
     skip_cap: SkipCap | None = None
     # num_workers / prefetch_factor / worker_concurrency "auto": the pass's feed to the
-    # controller (``_engine.tuning``); None when every number is the user's.
+    # controller (``_engine.pass_tuning``); None when every number is the user's.
     tuning: PassTuning | None = None
     # hang_report_after: the pass's hang report (``_engine.hang``), asked before each wait.
     hang: HangWatch = NO_HANG_REPORT
@@ -144,7 +144,7 @@ _PASS_HOLDERS = frozenset(
     os.path.join(_PACKAGE, *name.split("/"))
     for name in (
         "_engine/orchestrator.py",
-        "_engine/passes.py",
+        "_engine/pass_setup.py",
         "_engine/ledger.py",
         "loader.py",
         "_progress.py",
