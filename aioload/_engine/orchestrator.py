@@ -67,7 +67,7 @@ PENDING: Any = object()
 
 class PassSetup(NamedTuple):
     """Everything one pass needs to know, decided once when the pass is made (see
-    ``DataLoader._pass_setup``)."""
+    ``_engine.passes.PassPlanner._plan``)."""
 
     # (sampler position, indices), resumed positions already left out (``_engine.resume.PassStart``).
     batches: Iterator[tuple[int, Any]]
