@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import threading
-import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, Literal, TypeVar
 
@@ -20,22 +18,21 @@ from ._backends.base import BackendKeeper
 from ._backends.choice import WorkerFactory
 from ._backends.ray_config import RayWorkers
 from ._engine.orchestrator import END, NEEDS_LOOP, Orchestrator, release_pass_frames
+from ._engine.passes import PassPlanner
 from ._engine.pinning import Transfer, make_transfer, torch_pin_plan
-from ._engine.resume import FORMAT, PassProgress, YieldedPositions
-from ._engine.samplers import use_stateful_shuffle
+from ._engine.samplers import loader_generators, use_stateful_shuffle
 from ._engine.setup import (
+    AutoArguments,
+    ExtraArguments,
+    PassArguments,
+    ShardArguments,
     check_extras,
     check_worker_method,
-    fit_state,
-    next_pass_progress,
-    pass_engine,
     resolve_arguments,
     shard_index_sampler,
     torch_only_arguments,
 )
-from ._engine.state_format import parse_state
-from ._worker.datapipes import SharedSeeds
-from .stats import LoaderStats, PassStats, empty_stats
+from .stats import LoaderStats, empty_stats
 
 __all__ = ["DataLoader"]
 
@@ -170,15 +167,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         RuntimeError: `device` is an accelerator type or index that is not there.
     """
 
-    # Between passes (_init_between_passes says what each is).
-    _pass_stats: PassStats | None
-    _next_epoch: int
-    _sample_seed: int | None
-    _latest_pass: PassProgress | None
-    _pending_resume: PassProgress | None
-    _pending_in_progress: bool
-    _pool_seed: int | None
-    _shared_seeds: SharedSeeds
+    # What lies between passes (the epoch, the randomness to replay, the workers kept, what
+    # state_dict() reports) has one owner, which plans each pass.
+    _passes: PassPlanner
 
     def __init__(
         self,
@@ -217,16 +208,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
     ) -> None:
         resolved = resolve_arguments(
             dataset,
-            shard=shard,
-            shuffle=shuffle,
-            sampler=sampler,
-            batch_sampler=batch_sampler,
-            drop_last=drop_last,
-            generator=generator,
-            num_workers=num_workers,
-            prefetch_factor=prefetch_factor,
-            worker_concurrency=worker_concurrency,
-            max_memory=max_memory,
+            ShardArguments(shard, shuffle, sampler, batch_sampler, drop_last, generator),
+            AutoArguments(num_workers, prefetch_factor, worker_concurrency, max_memory),
         )
         self._rank, self._world_size = resolved.rank, resolved.world_size
         self._tuner = resolved.tuner
@@ -261,25 +244,26 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         extras = check_extras(
             self.dataset,
             self._dataset_kind,
-            num_workers=self.num_workers,
-            prefetch_factor=self.prefetch_factor,
-            device=device,
-            max_worker_restarts=max_worker_restarts,
-            workers=workers,
-            worker_concurrency=resolved.worker_concurrency,
-            worker_init_fn=worker_init_fn,
-            on_sample_error=on_sample_error,
-            max_skipped=max_skipped,
-            sample_retries=sample_retries,
-            snapshot_every_n_steps=snapshot_every_n_steps,
-            hang_report_after=hang_report_after,
+            self.num_workers,
+            self.prefetch_factor,
+            ExtraArguments(
+                device=device,
+                max_worker_restarts=max_worker_restarts,
+                workers=workers,
+                worker_concurrency=resolved.worker_concurrency,
+                worker_init_fn=worker_init_fn,
+                on_sample_error=on_sample_error,
+                max_skipped=max_skipped,
+                sample_retries=sample_retries,
+                snapshot_every_n_steps=snapshot_every_n_steps,
+                hang_report_after=hang_report_after,
+            ),
         )
         self.device = extras.device
         self.max_worker_restarts = max_worker_restarts
         self.worker_method = check_worker_method(
             worker_method, self.dataset, self.num_workers, workers, seed_per_sample
         )
-        self._method_choice: dict[str, Any] | None = None  # worker_method="auto"'s
         self.workers = workers  # None: local workers; RayWorkers: Ray actors
         self.worker_concurrency = extras.worker_concurrency
         # Bad samples (docs/reliability.md): skipped or raised, each skip recorded, capped.
@@ -302,9 +286,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         )
         # Every pass draws a tqdm bar (batches/s, live data-bound %); see aioload.progress.
         self.progress = progress
-        # Which workers a pass runs on: fresh ones, or (persistent_workers) those kept.
-        self._workers = BackendKeeper(self, self.persistent_workers)
-        _init_between_passes(self)
+        # Which workers a pass runs on (fresh ones, or with persistent_workers those kept),
+        # and all else that lies between passes.
+        self._passes = PassPlanner(BackendKeeper(self, self.persistent_workers))
         # What the first pass runs here, imported now rather than inside its clock (_aio.lazy_import).
         _lazy.warm(self.num_workers)
 
@@ -320,26 +304,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             ValueError: ``epoch`` is not a non-negative integer."""
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch should be a non-negative integer, but got epoch={epoch!r}")
-        pending = self._pending_resume
-        if pending is not None and pending.epoch != epoch and self._pending_in_progress:
-            # Asked for another epoch than the checkpoint's: start that epoch from its first
-            # batch, rather than mix the checkpoint's order with another epoch's seeds.
-            warnings.warn(
-                f"aioload: set_epoch({epoch}) after load_state_dict() of a state in the middle "
-                f"of epoch {pending.epoch}: the loaded position is dropped",
-                UserWarning,
-                stacklevel=2,
-            )
-            self._pending_resume = None
-        self._number_next_pass(epoch)
-
-    def _number_next_pass(self, epoch: int) -> None:
-        self._next_epoch = epoch
-        # A sampler the user passed with set_epoch (a DistributedSampler of their own) is told
-        # too; the shard sampler is set each pass by _engine.
-        set_sampler_epoch = getattr(self.sampler, "set_epoch", None)
-        if self._shard_sampler is None and callable(set_sampler_epoch):
-            set_sampler_epoch(epoch)
+        self._passes.set_epoch(epoch, self._pass_arguments())
 
     def state_dict(self) -> dict[str, Any]:
         """Where iteration stands, as plain data: ``json.dumps``-able (RNG states are base64
@@ -356,23 +321,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         or a batch sampler with ``state_dict()`` and ``load_state_dict()``: each one's state
         after the last batch yielded (each worker's copy of the dataset on its own).
         """
-        pending = self._pending_resume
-        if pending is not None:
-            progress, in_progress = pending, self._pending_in_progress
-        elif self._latest_pass is not None and not self._latest_pass.finished:
-            progress, in_progress = self._latest_pass, True
-        else:
-            progress, in_progress = next_pass_progress(self), False
-        state = progress.as_dict()
-        state.update(
-            format=FORMAT,
-            in_progress=in_progress,
-            num_workers=self.num_workers,
-            shard_seed=None if self._shard_sampler is None else int(self._shard_sampler.seed),
-        )
-        # A copy: the Stateful objects' states must not change under a checkpoint kept in
-        # memory (or written by another thread) while iteration goes on.
-        return copy.deepcopy(state)
+        return self._passes.state_dict(self._pass_arguments())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Make the next pass continue from ``state`` (from `state_dict()` of a loader
@@ -381,39 +330,53 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
 
         Raises:
             ValueError: ``state`` is not an aioload state, or was saved by another loader."""
-        parsed = parse_state(state)
-        progress = parsed.progress
-        in_progress = parsed.in_progress
-        fit_state(self, parsed)
-        if self._shard_sampler is not None and parsed.shard_seed is not None:
-            self._shard_sampler.seed = parsed.shard_seed
-        if progress.sample_seed is not None:
-            self._sample_seed = progress.sample_seed
-        if not in_progress:
-            progress.yielded = YieldedPositions()
-            progress.next_worker = 0
-        skipped = sum(point.samples_seen for point in progress.streams if not point.has_state)
-        if skipped and in_progress:
-            warnings.warn(
-                f"aioload: {type(self.dataset).__name__} has no state_dict()/load_state_dict(), "
-                f"so it is resumed by fast-forward: its streams re-read and drop the {skipped} "
-                "sample(s) they had yielded. Define both methods to resume without re-reading.",
-                UserWarning,
-                stacklevel=2,
-            )
-        self._number_next_pass(progress.epoch)
-        self._pending_resume = progress
-        self._pending_in_progress = in_progress
-        # NOTE: kept workers have drawn from their RNGs since they started, so the resumed
-        # pass starts fresh ones, seeded as the state says (as StatefulDataLoader does); a
-        # pass still running on the kept ones is served out.
-        kept = self._workers.kept
-        if kept is not None:
-            kept.retire()
+        self._passes.load_state_dict(state, self._pass_arguments())
 
-    def _pool_reusable(self) -> bool:
-        """Whether the next pass runs on the live persistent workers (and so draws no seed)."""
-        return self.num_workers > 0 and self._workers.reusable()
+    def _pass_arguments(self) -> PassArguments:
+        """What a pass reads of this loader, as it is now (torch's arguments may be changed
+        after construction, and are read at each pass, as torch does)."""
+        return PassArguments(
+            dataset=self.dataset,
+            dataset_kind=self._dataset_kind,
+            auto_collation=self._auto_collation,
+            collate_fn=self.collate_fn,
+            drop_last=self.drop_last,
+            worker_init_fn=self.worker_init_fn,
+            num_workers=self.num_workers,
+            prefetch_factor=self.prefetch_factor,
+            multiprocessing_context=self.multiprocessing_context,
+            generator=self.generator,
+            generators=loader_generators(self),
+            sampler=self.sampler,
+            index_sampler=self._index_sampler,
+            timeout=self.timeout,
+            in_order=self.in_order,
+            iterable_len=self._IterableDataset_len_called,
+            rank=self._rank,
+            world_size=self._world_size,
+            worker_concurrency=self.worker_concurrency,
+            on_sample_error=self.on_sample_error,
+            sample_retries=self.sample_retries,
+            max_skipped=self.max_skipped,
+            seed_per_sample=self.seed_per_sample,
+            max_worker_restarts=self.max_worker_restarts,
+            hang_report_after=self.hang_report_after,
+            workers=self.workers,
+            worker_method=self.worker_method,
+            tuner=self._tuner,
+            shard_sampler=self._shard_sampler,
+        )
+
+    def _start_pass(self, async_for: bool) -> Orchestrator:
+        """A new pass's engine, planned by the loader's ``PassPlanner``."""
+        transfer = self._transfer()
+        arguments = self._pass_arguments()
+        try:
+            return self._passes.start_pass(arguments, transfer, async_for)
+        finally:
+            if arguments.num_workers != self.num_workers:
+                # num_workers="auto" with an IterableDataset: the count this pass runs.
+                self.num_workers = arguments.num_workers
 
     @property
     def _index_sampler(self) -> Any:
@@ -438,7 +401,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
 
         Raises:
             Exception: From `next()`: your code's exception, with its type; a `LoaderError`."""
-        iterator = _SyncIterator(pass_engine(self, async_for=False), len_fn=self.__len__)
+        iterator = _SyncIterator(self._start_pass(async_for=False), len_fn=self.__len__)
         if self.progress:
             from . import _progress  # only a loader with a progress bar needs it
 
@@ -456,7 +419,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         Raises:
             Exception: As `__iter__`'s; `RuntimeError` for two `__anext__` at once."""
         _lazy.warm_async()
-        iterator = _AsyncIterator(pass_engine(self, async_for=True))
+        iterator = _AsyncIterator(self._start_pass(async_for=True))
         if self.progress:
             from . import _progress
 
@@ -467,7 +430,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         """The pin / host-to-device stage a pass needs, if any: ``pin_memory`` pins, and warns,
         as the installed torch's iterator does (see ``torch_pin_plan``)."""
         plan = torch_pin_plan(self.pin_memory, self.pin_memory_device)
-        plan.warn(stacklevel=4)
+        plan.warn(stacklevel=3)  # (__iter__'s frame, as torch's iterator)
         return make_transfer(plan, self.device)
 
     # -- stats and persistent workers ---------------------------------------------------------
@@ -480,39 +443,19 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
 
         ``print(loader.stats())`` shows a table; ``loader.stats().as_dict()`` is for loggers.
         """
-        if self._pass_stats is None:
+        pass_stats = self._passes.stats
+        if pass_stats is None:
             snapshot = empty_stats(self.num_workers)
             if self._tuner is not None:
                 # The controller's starting choice ("no measurement yet"), as the progress bar
                 # and a logger would read it once the first pass starts.
                 snapshot = dataclasses.replace(snapshot, tuning=self._tuner.report())
             return snapshot
-        return self._pass_stats.snapshot()
+        return pass_stats.snapshot()
 
     def shutdown(self) -> None:
         """Stop persistent workers now rather than when the loader is collected."""
-        self._workers.shutdown()
-
-
-def _init_between_passes(loader: DataLoader[Any]) -> None:
-    """What a new loader holds between its passes (declared on the class)."""
-    # The counters of the newest pass (kept after it ends, for stats()).
-    loader._pass_stats = None
-    # Epochs: the number the next pass gets (set_epoch, or one more than the last pass).
-    loader._next_epoch = 0
-    # seed_per_sample's base seed: the first pass's base seed, kept for the loader's life
-    # so that every epoch (and a resumed run) seeds sample i the same way.
-    loader._sample_seed = None
-    # The latest pass, as state_dict() reports it; and a loaded state waiting for the next
-    # pass to pick it up.
-    loader._latest_pass = None
-    loader._pending_resume = None
-    loader._pending_in_progress = False
-    # The base seed of the kept workers (persistent_workers), for a state taken between
-    # passes: a resumed run starts its workers with it.
-    loader._pool_seed = None
-    # An IterDataPipe's per-pass shuffle seed, shared by the workers (and the ranks).
-    loader._shared_seeds = SharedSeeds()
+        self._passes.workers.shutdown()
 
 
 class _SyncIterator:

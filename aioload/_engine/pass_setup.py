@@ -24,9 +24,9 @@ if TYPE_CHECKING:
     from .._wire.messages import PassPlan, WorkerLost
     from ..stats import SkipCap
     from .ledger import Ledger
+    from .pass_tuning import PassTuning
     from .pinning import PinStage, Transfer
     from .resume import PassProgress
-    from .pass_tuning import PassTuning
 
 __all__ = [
     "Drawn",
@@ -41,7 +41,7 @@ __all__ = [
 
 class PassSetup(NamedTuple):
     """Everything one pass needs to know, decided once when the pass is made (see
-    ``_engine.setup.pass_setup``)."""
+    ``_engine.passes.PassPlanner._plan``)."""
 
     # (sampler position, indices), resumed positions already left out (``_engine.resume.PassStart``).
     batches: Iterator[tuple[int, Any]]

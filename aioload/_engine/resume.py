@@ -1,4 +1,4 @@
-"""What a checkpoint records about a pass, and how a pass picks up from one.
+"""What a checkpoint records about a pass (``_engine.pass_start`` starts a pass from it).
 
 A pass is reproducible from what it drew its order from, the epoch number, the state of each
 Stateful object it runs, and what had been *yielded* to the consumer. Batches that were
@@ -31,16 +31,15 @@ objects return is kept as they return it.
 from __future__ import annotations
 
 import base64
-import copy
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import BatchSampler, SequentialSampler
 
-from .._wire.messages import IndexRange, PassPlan, StreamState
+from .._wire.messages import IndexRange, StreamState
 from .._worker.fetch import is_stateful
 from ..stats import SkippedSample
 from .samplers import is_replayed
@@ -48,16 +47,15 @@ from .samplers import is_replayed
 __all__ = [
     "FORMAT",
     "PassProgress",
-    "PassStart",
+    "SamplerPoint",
     "SamplerStack",
+    "SamplerTrack",
     "StreamPoint",
     "YieldedPositions",
     "batches_of",
-    "begin_pass",
-    "live_point",
-    "next_points",
+    "generator_states",
     "numbered_batches",
-    "start_points",
+    "set_generator_states",
 ]
 
 FORMAT = "aioload.DataLoader/2"
@@ -336,18 +334,8 @@ class PassProgress:
         # Whether the pass drew a base seed from those RNGs (it does not when it reuses a
         # persistent pool): a replay must draw exactly as the original did.
         drew_base_seed: bool = True,
-        yielded: YieldedPositions | None = None,
-        streams: list[StreamPoint] | None = None,
-        # IterableDataset, in order: the worker the next batch was (or will be) asked of.
-        next_worker: int = 0,
-        finished: bool = False,
-        # Samples skipped (on_sample_error) in delivered batches: a resumed pass carries them
-        # on, and its count and its max_skipped cap continue from them.
-        skipped: list[SkippedSample] | None = None,
         # The base seed of the workers the pass runs on (None without workers).
         worker_seed: int | None = None,
-        # A Stateful sampler's state where the pass stands (a loaded or between-pass state).
-        sampler: SamplerPoint | None = None,
     ) -> None:
         self.epoch = epoch
         self.rng = rng
@@ -355,13 +343,20 @@ class PassProgress:
         self.iterable = iterable
         self.num_streams = num_streams
         self.drew_base_seed = drew_base_seed
-        self.yielded = yielded if yielded is not None else YieldedPositions()
-        self.streams = streams if streams else [StreamPoint() for _ in range(num_streams)]
-        self.next_worker = next_worker
-        self.finished = finished
-        self.skipped = skipped if skipped is not None else []
         self.worker_seed = worker_seed
-        self.sampler = sampler
+        # What the pass goes on to record (set by who makes it: a pass's start, a parsed
+        # checkpoint). The batch positions yielded so far.
+        self.yielded = YieldedPositions()
+        # Where each worker's dataset stands after its last yielded batch.
+        self.streams = [StreamPoint() for _ in range(num_streams)]
+        # IterableDataset, in order: the worker the next batch was (or will be) asked of.
+        self.next_worker = 0
+        self.finished = False
+        # Samples skipped (on_sample_error) in delivered batches: a resumed pass carries them
+        # on, and its count and its max_skipped cap continue from them.
+        self.skipped: list[SkippedSample] = []
+        # A Stateful sampler's state where the pass stands (a loaded or between-pass state).
+        self.sampler: SamplerPoint | None = None
         # A running pass's Stateful sampler, state by position (``sampler`` is then unused).
         self.sampler_track: SamplerTrack | None = None
 
@@ -424,197 +419,6 @@ def set_generator_states(generators: list[torch.Generator], states: list[Any]) -
         generator.set_state(state)
 
 
-# -- how a pass starts: its randomness, drawn (or replayed) in one place -----------------------
-
-
-class PassStart(NamedTuple):
-    """What a pass draws when it starts: its numbered batches, base seed and progress."""
-
-    # (sampler position, indices); positions a resumed pass had already yielded left out.
-    batches: Iterator[tuple[int, Any]]
-    # The workers' base seed; None when the pass reuses persistent workers.
-    base_seed: int | None
-    # seed_per_sample's base seed for the loader's life (the first pass's base seed).
-    sample_seed: int | None
-    progress: PassProgress
-    plans: list[PassPlan]
-    # An IterDataPipe's shuffle seed for this pass, the same in every worker (see _worker.datapipes).
-    shared_seed: int | None = None
-
-
-def begin_pass(
-    *,
-    epoch: int,
-    resume: PassProgress | None,
-    in_progress: bool,
-    reuse_workers: bool,
-    index_sampler: Iterable[Any],
-    generators: list[torch.Generator],
-    draw_base_seed: Callable[[], int],
-    sample_seed: int | None,
-    seed_per_sample: bool,
-    iterable: bool,
-    num_streams: int,
-    rank: int,
-    draw_shared_seed: Callable[[], int] | None = None,
-    starts_workers: bool = False,
-    points: list[StreamPoint] | None = None,
-    load_points: bool = False,
-    worker_seed: int | None = None,
-) -> PassStart:
-    """Draw a pass's randomness, or replay a checkpointed pass's, and plan what it skips.
-
-    The pass's randomness is drawn here, at its start, and nowhere else: the sampler's order
-    (torch's samplers draw on their first next(), hence the priming) and the base seed, in
-    torch's order (iter(sampler), then the base seed, then sampling). Recording the RNG states
-    just before makes the pass replayable: a resumed pass draws from the recorded states (a
-    state taken between passes records them as the next pass will find them). The generators
-    are the loader's, and go on from there. torch's global RNG is the caller's: if it is where
-    the recorded pass started (the caller restored it with the checkpoint, taken between
-    passes), the pass moves it on as the interrupted run's did; anywhere else (a caller's RNG
-    restored in the middle of a pass is already past the pass's draws), it is given back
-    untouched.
-
-    ``points`` are where each worker's dataset starts the pass (None: untouched); with
-    ``load_points``, the workers load them (a resume, or a kept pool rewound to what the last
-    pass yielded). ``worker_seed`` is the kept pool's base seed, if there is one.
-    """
-    replaying = resume is not None and in_progress
-    resumed = resume is not None
-    # A pass draws a base seed unless it reuses persistent workers; a resumed pass draws
-    # exactly as the original did (workers it must start anyway get the original workers'
-    # seed, kept in the state).
-    replay_draw = resume.drew_base_seed if resume is not None else not reuse_workers
-    stack = None if iterable else SamplerStack(index_sampler)
-    sampler_load: SamplerPoint | None = None
-    if resume is not None and stack is not None:
-        sampler_load = resume.sampler
-    snapshot: dict[str, Any] = (
-        resume.rng
-        if resume is not None
-        else {"torch": torch.get_rng_state(), "generators": generator_states(generators)}
-    )
-    callers_rng = torch.get_rng_state() if resumed else None
-    if replaying and not starts_workers and resume is not None and not len(resume.yielded):
-        # A pass checkpointed in the calling process before its first batch: its dataset
-        # had drawn nothing yet, and would have found the generators where the pass's own
-        # draws left them (torchdata's state holds them there, in the state of the iterator
-        # torch's single-process iterator makes at iter()). The resumed pass leaves them there.
-        callers_rng = None
-    try:
-        if resume is not None:
-            torch.set_rng_state(snapshot["torch"])
-            set_generator_states(generators, snapshot["generators"])
-        if stack is not None:
-            stack.load(sampler_load)
-        initial = stack.point() if stack is not None else None
-        if sampler_load is not None:
-            initial = sampler_load
-        # An IterDataPipe's shared seed is drawn where torch's iterator draws it: before the
-        # sampler when a new iterator starts, after it when persistent workers are reused,
-        # and once more after the base seed when workers start (torch's iterator resets
-        # itself once as it starts them). So a loader seeded like torch's draws alike.
-        shared_seed: int | None = None
-        if draw_shared_seed is not None and replay_draw:
-            shared_seed = draw_shared_seed()
-        raw = (
-            stack.batches(sampler_load if replaying else None)
-            if stack is not None
-            else batches_of(index_sampler)
-        )
-        if draw_shared_seed is not None and not replay_draw:
-            shared_seed = draw_shared_seed()
-        base_seed = draw_base_seed() if replay_draw else None
-        if draw_shared_seed is not None and replay_draw and starts_workers:
-            draw_shared_seed()
-        progress = PassProgress(
-            epoch=epoch,
-            rng=snapshot,
-            sample_seed=None,
-            iterable=iterable,
-            num_streams=num_streams,
-            drew_base_seed=replay_draw,
-        )
-        start = 0
-        skip: YieldedPositions | None = None
-        if replaying and resume is not None:
-            if iterable:
-                # Positions mean nothing to an IterableDataset; only the count goes on.
-                progress.yielded = YieldedPositions(len(resume.yielded))
-                start = len(resume.yielded)
-            else:
-                progress.yielded = resume.yielded.copy()
-                skip = resume.yielded
-                if sampler_load is not None:
-                    # A Stateful sampler goes on from its loaded state: its batches are
-                    # numbered from the first position not in the yielded prefix.
-                    start = resume.yielded.prefix
-        if stack is not None and not stack.fast:
-            assert initial is not None
-            progress.sampler_track = SamplerTrack(stack, start, initial)
-            raw = _tracked(raw, progress.sampler_track, progress.yielded, start)
-        sampler_iter = _primed(raw)
-        if base_seed is None and not reuse_workers:
-            if resume is not None and resume.worker_seed is not None:
-                # The interrupted run's workers lived on: start these with their seed.
-                base_seed = resume.worker_seed
-            else:
-                # Workers must start, but the replayed pass drew no seed (it had reused its
-                # workers) and the state has none: draw one without moving the RNGs the
-                # next passes draw from.
-                saved_rng = torch.get_rng_state()
-                saved = generator_states(generators)
-                base_seed = draw_base_seed()
-                set_generator_states(generators, saved)
-                torch.set_rng_state(saved_rng)
-    finally:
-        if callers_rng is not None and not torch.equal(callers_rng, snapshot["torch"]):
-            torch.set_rng_state(callers_rng)
-    if reuse_workers:
-        base_seed = None
-    if sample_seed is None and base_seed is not None:
-        sample_seed = base_seed
-    progress.sample_seed = sample_seed if seed_per_sample else None
-    progress.worker_seed = base_seed if base_seed is not None else worker_seed
-
-    if points is not None:
-        progress.streams = [point.copy() for point in points]
-    if resume is not None:
-        progress.streams = [point.copy() for point in resume.streams]
-        load_points = True
-    if replaying and resume is not None:
-        if len(resume.streams) == num_streams:
-            progress.next_worker = resume.next_worker
-        # The skips so far go on: the list, its count and the cap.
-        progress.skipped = list(resume.skipped)
-    if len(progress.streams) != num_streams:
-        # A map-style state with another num_workers (the loader checked it holds no
-        # dataset states): the workers start untouched.
-        progress.streams = [StreamPoint() for _ in range(num_streams)]
-    plans = [
-        PassPlan(
-            epoch=epoch,
-            sample_seed=progress.sample_seed,
-            samples_seen=point.samples_seen,
-            dataset_state=point.dataset_state if load_points else None,
-            iter_state=point.iter_state if load_points else None,
-            rewind=reuse_workers,
-            ended=point.ended,
-            stream_id=rank * num_streams + worker_id,
-            shared_seed=shared_seed,
-        )
-        for worker_id, point in enumerate(progress.streams)
-    ]
-    return PassStart(
-        batches=numbered_batches(sampler_iter, skip, start),
-        base_seed=base_seed,
-        sample_seed=sample_seed,
-        progress=progress,
-        plans=plans,
-        shared_seed=shared_seed,
-    )
-
-
 def _sequential(batch_sampler: BatchSampler) -> bool:
     return (
         type(batch_sampler.sampler) is SequentialSampler
@@ -644,23 +448,6 @@ def _sequential_batches(batch_sampler: BatchSampler) -> Iterator[IndexRange]:
         yield IndexRange(start, min(start + size, count))
 
 
-def _tracked(
-    raw: Iterator[Any], track: SamplerTrack, yielded: YieldedPositions, start: int
-) -> Iterator[Any]:
-    """The sampler's batches, its state taken after each one drawn (only if it turns out
-    Stateful: its iterator is known once the first batch is drawn)."""
-    position = start
-    for indices in raw:
-        if not track.stack.stateful:
-            # Not Stateful after all: the rest passes through untouched.
-            yield indices
-            yield from raw
-            return
-        track.drawn(position, yielded)
-        position += 1
-        yield indices
-
-
 def numbered_batches(
     sampler_iter: Iterator[Any], skip: YieldedPositions | None, start: int
 ) -> Iterator[tuple[int, Any]]:
@@ -680,72 +467,3 @@ def numbered_batches(
             ):
                 indices = list(indices)
             yield position, indices
-
-
-_NOTHING: Any = object()
-
-
-def _primed(sampler_iter: Iterator[Any]) -> Iterator[Any]:
-    """Take the sampler's first batch now, so that the random draws a sampler makes when it
-    starts (torch's make them on the first next()) happen at the pass's start."""
-    first = next(sampler_iter, _NOTHING)
-    if first is _NOTHING:
-        return iter(())
-    return itertools.chain((first,), sampler_iter)
-
-
-# -- where each worker's dataset starts a pass ------------------------------------------------
-
-
-def live_point(dataset: Any) -> StreamPoint:
-    """The state of the dataset in this process, if it is Stateful (and can say)."""
-    if not is_stateful(dataset):
-        return StreamPoint()
-    try:
-        state = dataset.state_dict()
-    except Exception:
-        # (A dataset that is its own iterator may know its state only once iterated.)
-        return StreamPoint()
-    return StreamPoint(dataset_state=copy.deepcopy(state))
-
-
-def _kept_points(
-    num_workers: int, latest: PassProgress | None, reusable: bool
-) -> list[StreamPoint] | None:
-    """Where kept workers stand: as the last pass left them (what it yielded)."""
-    if reusable and latest is not None and len(latest.streams) == num_workers:
-        return [point.carried() for point in latest.streams]
-    return None
-
-
-def next_points(
-    num_workers: int, dataset: Any, latest: PassProgress | None, reusable: bool
-) -> list[StreamPoint]:
-    """Where each worker's dataset starts the next pass: in this process
-    (``num_workers=0``), as the dataset is now; on kept workers, as the last pass left
-    them; on fresh workers, untouched."""
-    if num_workers == 0:
-        return [live_point(dataset)]
-    kept = _kept_points(num_workers, latest, reusable)
-    return kept if kept is not None else [StreamPoint() for _ in range(num_workers)]
-
-
-def start_points(
-    num_workers: int,
-    dataset: Any,
-    latest: PassProgress | None,
-    resume: PassProgress | None,
-    reuse_workers: bool,
-) -> tuple[list[StreamPoint] | None, bool]:
-    """Where each worker's dataset starts a pass that is not resumed, and whether the
-    workers load it. Kept workers load the state the last pass left them in (or go back to
-    their first state, where that had none: ``PassPlan.rewind``): after a pass left early
-    (``break``) they had fetched batches nobody received, and are rewound to what the
-    consumer got; a worker started late (its first task) may have skipped the last pass's
-    start, where a resumed pass gave it its state."""
-    if resume is not None:
-        return None, True
-    if num_workers == 0:
-        return [live_point(dataset)], False
-    kept = _kept_points(num_workers, latest, reuse_workers)
-    return (kept, True) if kept is not None else (None, False)

@@ -1,10 +1,10 @@
 """How a ``DataLoader`` is set up: its arguments checked and normalised once, when it is built,
-and each pass described from them (``pass_engine``).
+and what each pass reads of them (``PassArguments``) made into what the pass runs: its workers'
+``WorkerSpec``, its skip cap and its hang report.
 
 ``loader.py`` keeps the class, its public methods and its documentation; what it does with its
-arguments is here, as functions of the values (at construction) or of the loader as a
-``LoaderView`` (each pass: the attributes a pass reads, checked by type against
-``DataLoader``). Nothing here imports the loader.
+arguments is here, as functions of the values (at construction) or of a ``PassArguments`` (each
+pass). ``_engine/passes.py`` plans the passes. Nothing here imports the loader.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import inspect
 import math
 import numbers
 import warnings
-import weakref
 from collections.abc import Iterable
-from typing import Any, NamedTuple, Protocol
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed
@@ -24,39 +24,27 @@ import torch.utils.data
 from torch.utils.data import DistributedSampler, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
-from .._backends.base import BackendKeeper, WorkerSpec
-from .._backends.choice import BackendChoice, WorkerFactory, choose_backend
+from .._backends.base import WorkerSpec
+from .._backends.choice import WorkerFactory
 from .._worker.async_detect import is_async_dataset
-from .._worker.datapipes import SharedSeeds, is_datapipe, is_iter_datapipe, reseed, shard_in_process
+from .._worker.datapipes import is_datapipe
 from .._worker.fetch import SamplePolicy, is_stateful
 from ..stats import PassStats, SkipCap
 from .hang import NO_HANG_REPORT, HangWatch
 from .measure import usable_cores
-from .orchestrator import Orchestrator, PassSetup, track_pass
-from .pass_tuning import PassTuning, auto_arguments
-from .pinning import Transfer
-from .resume import (
-    PassProgress,
-    SamplerStack,
-    StreamPoint,
-    begin_pass,
-    check_generator_count,
-    generator_states,
-    live_point,
-    next_points,
-    start_points,
-)
-from .samplers import loader_generators
+from .pass_tuning import auto_arguments
+from .resume import SamplerStack, StreamPoint, check_generator_count
 from .state_format import ParsedState, check_fit
 
 __all__ = [
-    "LoaderView",
+    "AutoArguments",
+    "ExtraArguments",
+    "PassArguments",
     "Resolved",
+    "ShardArguments",
     "check_extras",
     "check_worker_method",
     "fit_state",
-    "next_pass_progress",
-    "pass_engine",
     "resolve_arguments",
     "shard_index_sampler",
     "torch_only_arguments",
@@ -80,22 +68,32 @@ class Resolved(NamedTuple):
     worker_concurrency: int
 
 
-def resolve_arguments(
-    dataset: Any,
-    *,
-    shard: str,
-    shuffle: bool | None,
-    sampler: Any,
-    batch_sampler: Any,
-    drop_last: bool,
-    generator: torch.Generator | None,
-    num_workers: int | str,
-    prefetch_factor: int | str | None,
-    worker_concurrency: int | str,
-    max_memory: float | None,
-) -> Resolved:
+@dataclass(frozen=True)
+class ShardArguments:
+    """The arguments ``shard="auto"`` builds this rank's sampler from."""
+
+    shard: str
+    shuffle: bool | None
+    sampler: Any
+    batch_sampler: Any
+    drop_last: bool
+    generator: torch.Generator | None
+
+
+@dataclass(frozen=True)
+class AutoArguments:
+    """The arguments that may be ``"auto"`` (docs/tuning.md), and the memory bound."""
+
+    num_workers: int | str
+    prefetch_factor: int | str | None
+    worker_concurrency: int | str
+    max_memory: float | None
+
+
+def resolve_arguments(dataset: Any, sharding: ShardArguments, auto: AutoArguments) -> Resolved:
     """``shard`` (the rank, and the shard sampler: a collective where it shuffles) and the
     ``"auto"`` arguments, before torch validates the rest."""
+    shard = sharding.shard
     if shard not in ("auto", "none"):
         raise ValueError(f"shard option should be 'auto' or 'none', but got shard={shard!r}")
     # By default (shard="none") every rank iterates the whole dataset, as with torch's
@@ -112,42 +110,46 @@ def resolve_arguments(
     rank, world_size = distributed_rank()
     shard_sampler: DistributedSampler[Any] | None = None
     if (
-        shard == "auto"
+        sharding.shard == "auto"
         and world_size > 1
-        and sampler is None
-        and batch_sampler is None
+        and sharding.sampler is None
+        and sharding.batch_sampler is None
         and not isinstance(dataset, IterableDataset)
     ):
         shard_sampler = DistributedSampler(
             dataset,
             num_replicas=world_size,
             rank=rank,
-            shuffle=bool(shuffle),
-            seed=shared_shuffle_seed(generator) if shuffle else 0,
-            drop_last=drop_last,
+            shuffle=bool(sharding.shuffle),
+            seed=shared_shuffle_seed(sharding.generator) if sharding.shuffle else 0,
+            drop_last=sharding.drop_last,
         )
     # num_workers / prefetch_factor / worker_concurrency "auto" (docs/tuning.md): torch sees
     # the integers the workers are built with, and the controller keeps the rest.
-    auto = auto_arguments(
-        num_workers,
-        prefetch_factor,
-        worker_concurrency,
-        max_memory,
+    chosen = auto_arguments(
+        auto.num_workers,
+        auto.prefetch_factor,
+        auto.worker_concurrency,
+        auto.max_memory,
         iterable=isinstance(dataset, IterableDataset),
         is_async=is_async_dataset(dataset, int(isinstance(dataset, IterableDataset))),
     )
-    resolved: tuple[Any, Any, Any] = (num_workers, prefetch_factor, worker_concurrency)
-    if auto is not None:
-        resolved = (auto.num_workers, auto.prefetch_factor, auto.worker_concurrency)
-    elif worker_concurrency == "auto":
+    resolved: tuple[Any, Any, Any] = (
+        auto.num_workers,
+        auto.prefetch_factor,
+        auto.worker_concurrency,
+    )
+    if chosen is not None:
+        resolved = (chosen.num_workers, chosen.prefetch_factor, chosen.worker_concurrency)
+    elif auto.worker_concurrency == "auto":
         # A sync dataset fetches one sample at a time: "auto" has only 1 to choose from.
-        resolved = (num_workers, prefetch_factor, 1)
+        resolved = (auto.num_workers, auto.prefetch_factor, 1)
     # (Typed as torch takes them; torch and check_worker_concurrency validate them.)
     return Resolved(
         rank,
         world_size,
         shard_sampler,
-        auto.controller if auto is not None else None,
+        chosen.controller if chosen is not None else None,
         *resolved,
     )
 
@@ -161,22 +163,28 @@ class Extras(NamedTuple):
     hang_report_after: float | None
 
 
+@dataclass(frozen=True)
+class ExtraArguments:
+    """aioload's own arguments that ``check_extras`` checks, as the user passed them."""
+
+    device: str | torch.device | None
+    max_worker_restarts: Any
+    workers: Any
+    worker_concurrency: int
+    worker_init_fn: Any
+    on_sample_error: Any
+    max_skipped: Any
+    sample_retries: Any
+    snapshot_every_n_steps: Any
+    hang_report_after: Any
+
+
 def check_extras(
     dataset: Any,
     dataset_kind: int,
-    *,
     num_workers: int,
     prefetch_factor: int | None,
-    device: str | torch.device | None,
-    max_worker_restarts: Any,
-    workers: Any,
-    worker_concurrency: int,
-    worker_init_fn: Any,
-    on_sample_error: Any,
-    max_skipped: Any,
-    sample_retries: Any,
-    snapshot_every_n_steps: Any,
-    hang_report_after: Any,
+    extras: ExtraArguments,
 ) -> Extras:
     """Check the arguments torch does not take (or takes, and fails on later), each with a
     message that says what a valid value is."""
@@ -184,30 +192,30 @@ def check_extras(
         # torch accepts 0 here and then fails inside its iterator; fail early and clearly.
         raise ValueError("prefetch_factor option should be positive when num_workers > 0")
     # (stacklevel: the warning points at the user's DataLoader(...) call.)
-    checked_device = check_device(device, stacklevel=4)
-    if not isinstance(max_worker_restarts, int) or max_worker_restarts < 0:
+    checked_device = check_device(extras.device, stacklevel=4)
+    if not isinstance(extras.max_worker_restarts, int) or extras.max_worker_restarts < 0:
         raise ValueError("max_worker_restarts option should be a non-negative integer")
-    if max_worker_restarts and num_workers == 0:
+    if extras.max_worker_restarts and num_workers == 0:
         raise ValueError("max_worker_restarts option needs num_workers > 0")
-    if max_worker_restarts and isinstance(dataset, IterableDataset):
+    if extras.max_worker_restarts and isinstance(dataset, IterableDataset):
         raise ValueError(
             "max_worker_restarts is not supported with an IterableDataset: a replacement "
             "worker would start its iterator over, so samples would repeat"
         )
-    if workers is not None and not isinstance(workers, WorkerFactory):
+    if extras.workers is not None and not isinstance(extras.workers, WorkerFactory):
         raise TypeError(
             f"workers option should be None (local processes) or aioload.RayWorkers, but "
-            f"got workers={workers!r}"
+            f"got workers={extras.workers!r}"
         )
     concurrency = check_worker_concurrency(
-        worker_concurrency, dataset, dataset_kind, worker_init_fn
+        extras.worker_concurrency, dataset, dataset_kind, extras.worker_init_fn
     )
-    check_sample_errors(on_sample_error, max_skipped, sample_retries)
+    check_sample_errors(extras.on_sample_error, extras.max_skipped, extras.sample_retries)
     return Extras(
         checked_device,
         concurrency,
-        check_snapshot_steps(snapshot_every_n_steps),
-        check_hang_report_after(hang_report_after),
+        check_snapshot_steps(extras.snapshot_every_n_steps),
+        check_hang_report_after(extras.hang_report_after),
     )
 
 
@@ -443,13 +451,17 @@ def check_device(device: str | torch.device | None, stacklevel: int = 3) -> torc
 # -- each pass -----------------------------------------------------------------------------
 
 
-class LoaderView(Protocol):
-    """What a pass reads of its ``DataLoader`` (and, for the next pass, writes back): the
-    arguments as they are now (torch's may be changed after construction, and are read at
-    each pass, as torch does) and the loader's state between passes."""
+@dataclass
+class PassArguments:
+    """What a pass reads of its ``DataLoader``: the arguments as they are when the pass starts
+    (torch's may be changed after construction, and are read at each pass, as torch does).
+    The loader makes one for each pass, and for ``state_dict()``/``load_state_dict()``; a
+    pass changes none of it but ``num_workers`` (``"auto"``, once per pass: see
+    ``_engine.passes.PassPlanner.tune_workers``)."""
 
     dataset: Any
-    _dataset_kind: int
+    dataset_kind: int
+    auto_collation: bool
     collate_fn: Any
     drop_last: bool
     worker_init_fn: Any
@@ -457,14 +469,17 @@ class LoaderView(Protocol):
     prefetch_factor: int | None
     multiprocessing_context: Any
     generator: Any
+    # The loader's generators, and the sampler any fraction of max_skipped is of.
+    generators: list[torch.Generator]
     sampler: Any
-    pin_memory: bool
-    pin_memory_device: str
+    # What the pass draws its indices from (``DataLoader._index_sampler``).
+    index_sampler: Any
     timeout: float
     in_order: bool
-    _IterableDataset_len_called: Any
-    _rank: int
-    _world_size: int
+    # torch's IterableDataset length warning: len(dataloader) as reported.
+    iterable_len: Any
+    rank: int
+    world_size: int
     worker_concurrency: int
     on_sample_error: Any
     sample_retries: int
@@ -472,39 +487,19 @@ class LoaderView(Protocol):
     seed_per_sample: bool
     max_worker_restarts: int
     hang_report_after: float | None
-    device: torch.device | None
     workers: WorkerFactory | None
     worker_method: str
-    _method_choice: dict[str, Any] | None
-    _workers: BackendKeeper
-    _tuner: Any
-    _shard_sampler: DistributedSampler[Any] | None
-    _shared_seeds: SharedSeeds
-    _next_epoch: int
-    _pending_resume: PassProgress | None
-    _pending_in_progress: bool
-    _latest_pass: PassProgress | None
-    _sample_seed: int | None
-    _pool_seed: int | None
-    _pass_stats: PassStats | None
-
-    @property
-    def _auto_collation(self) -> bool: ...
-
-    @property
-    def _index_sampler(self) -> Any: ...
-
-    def _pool_reusable(self) -> bool: ...
-
-    def _transfer(self) -> Transfer | None: ...
+    # The "auto" controller, if any; shard="auto"'s sampler, if any.
+    tuner: Any
+    shard_sampler: DistributedSampler[Any] | None
 
 
-def worker_spec(loader: LoaderView) -> WorkerSpec:
+def worker_spec(loader: PassArguments) -> WorkerSpec:
     """What the pass's workers run, from the loader's arguments as they are now."""
     return WorkerSpec(
         dataset=loader.dataset,
-        dataset_kind=loader._dataset_kind,
-        auto_collation=loader._auto_collation,
+        dataset_kind=loader.dataset_kind,
+        auto_collation=loader.auto_collation,
         collate_fn=loader.collate_fn,
         drop_last=loader.drop_last,
         worker_init_fn=loader.worker_init_fn,
@@ -513,15 +508,15 @@ def worker_spec(loader: LoaderView) -> WorkerSpec:
         multiprocessing_context=loader.multiprocessing_context,
         # Stack straight into the shared-memory slab when the collate is torch's default.
         slab_collate=loader.collate_fn is default_collate,
-        rank=loader._rank,
-        world_size=loader._world_size,
+        rank=loader.rank,
+        world_size=loader.world_size,
         worker_concurrency=loader.worker_concurrency,
         sample_policy=SamplePolicy(loader.on_sample_error, loader.sample_retries),
         worker_method=loader.worker_method,
     )
 
 
-def skip_cap(loader: LoaderView) -> SkipCap | None:
+def skip_cap(loader: PassArguments) -> SkipCap | None:
     """max_skipped for a pass; a fraction is of the sampler's length (an IterableDataset's
     ``len``, where it has one)."""
     if loader.max_skipped is None:
@@ -529,13 +524,13 @@ def skip_cap(loader: LoaderView) -> SkipCap | None:
     total: int | None = None
     if isinstance(loader.max_skipped, float):
         try:
-            total = len(loader.dataset if loader._dataset_kind == 1 else loader.sampler)
+            total = len(loader.dataset if loader.dataset_kind == 1 else loader.sampler)
         except TypeError:
             total = None
     return SkipCap(loader.max_skipped, total)
 
 
-def hang_watch(loader: LoaderView, stats: PassStats) -> HangWatch:
+def hang_watch(loader: PassArguments, stats: PassStats) -> HangWatch:
     """A pass's hang report, from ``hang_report_after`` as it is now (None or inf: none)."""
     after = loader.hang_report_after
     if after is None or after == math.inf:
@@ -543,12 +538,7 @@ def hang_watch(loader: LoaderView, stats: PassStats) -> HangWatch:
     return HangWatch(after, stats, in_order=loader.in_order)
 
 
-def draw_shared_seed(loader: LoaderView) -> int:
-    """An IterDataPipe's shuffle seed for a pass, shared by every worker (and rank)."""
-    return loader._shared_seeds.draw(loader.generator)
-
-
-def prefetch_depth(loader: LoaderView) -> int:
+def prefetch_depth(loader: PassArguments) -> int:
     """Batches in flight per worker for the next pass. Read at each pass, as torch does:
     ``num_workers`` may be changed after construction (it is not a locked attribute), and
     then ``prefetch_factor`` is stale. Torch ignores it without workers (one batch at a
@@ -560,179 +550,31 @@ def prefetch_depth(loader: LoaderView) -> int:
     return loader.prefetch_factor or 1
 
 
-def draw_base_seed(loader: LoaderView) -> int:
+def draw_base_seed(generator: torch.Generator | None) -> int:
     # Exactly torch's draw, at the same point (after iter(sampler), before any sampling),
     # so a loader built with the same generator or global seed sees the same sequence.
-    return int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
-def pass_engine(loader: LoaderView, async_for: bool) -> Orchestrator:
-    """One pass: its setup, its backend (made on its first next()), and its engine."""
-    setup, backend = pass_setup(loader, async_for)
-    loader._pass_stats = PassStats(
-        max(1, loader.num_workers),
-        in_process=loader.num_workers == 0,
-        auto_collation=loader._auto_collation,
-    )
-    # One list, appended to as batches are delivered: stats() and state_dict() read it.
-    loader._pass_stats.skipped = setup.progress.skipped
-    loader._pass_stats.method_choice = loader._method_choice
-    if loader._tuner is not None:
-        # "auto": the pass feeds its counters to the controller (also stats()["tuning"]).
-        setup = setup._replace(tuning=PassTuning(loader._tuner, loader._pass_stats))
-    setup = setup._replace(hang=hang_watch(loader, loader._pass_stats))
-    engine = Orchestrator(backend.make, setup, owns_backend=backend.owned, stats=loader._pass_stats)
-    track_pass(engine)  # a forked child's copy of it raises, saying so
-    if backend.owned:
-        # Also on garbage collection of an abandoned pass (``break``, ``del``) and at exit.
-        weakref.finalize(engine, engine.owned.close)
-    else:
-        loader._workers.current_pass = weakref.ref(engine)
-    return engine
+def auto_worker_method(spec: WorkerSpec) -> dict[str, Any]:
+    """worker_method="auto" (``spec``'s): a short trial (``_backends.thread.choose_worker_method``),
+    run once, before the loader's first pass with workers; its report (``stats()["tuning"]``)
+    holds the choice as ``"value"``, and the loader keeps it."""
+    from .._backends.thread import choose_worker_method
+
+    return choose_worker_method(spec, usable_cores())
 
 
-def begin_tuned_pass(loader: LoaderView, resume: PassProgress | None, reuse_workers: bool) -> None:
-    """num_workers="auto" with an IterableDataset: each worker holds its own stream, so
-    the count is chosen for the whole pass, here (from the last pass's measurements), and
-    held while persistent workers are kept or a checkpoint's streams are resumed."""
-    tuner = loader._tuner
-    assert tuner is not None
-    hold: int | None = None
-    if reuse_workers:
-        hold = loader.num_workers
-    elif resume is not None and loader._pending_in_progress and tuner.per_pass_workers:
-        hold = len(resume.streams)
-    tuner.begin_pass(hold, starting=not reuse_workers)
-    if tuner.per_pass_workers and tuner.workers.auto:
-        loader.num_workers = tuner.pass_workers()
-
-
-def pass_setup(loader: LoaderView, async_for: bool) -> tuple[PassSetup, BackendChoice]:
-    """The one place a pass is described: its number, its randomness (drawn or replayed,
-    see ``_engine.resume.begin_pass``), its workers and its settings."""
-    transfer = loader._transfer()
-    epoch = loader._next_epoch
-    loader._next_epoch = epoch + 1
-    if loader._shard_sampler is not None:
-        loader._shard_sampler.set_epoch(epoch)
-    resume, loader._pending_resume = loader._pending_resume, None
-    reuse_workers = loader._pool_reusable()
-    if loader._tuner is not None:
-        begin_tuned_pass(loader, resume, reuse_workers)
-    in_progress = resume is not None and loader._pending_in_progress
-    in_caller = loader.num_workers == 0
-    # NOTE [ The calling process's dataset and the process's generators ]
-    # With num_workers=0 the dataset draws from the same process-wide generators (torch's,
-    # random's, numpy's) as the pass itself (its base seed, its sampler's order), so the order
-    # of the two must be an uninterrupted run's: a state taken between passes held the
-    # dataset as it stood before the next pass drew, so it is loaded before this pass draws
-    # (and not again at the first fetch); and the dataset's state at the start of a pass is
-    # taken after the pass drew, where the first fetch finds it.
-    preloaded = resume is not None and not in_progress and in_caller
-    if preloaded:
-        assert resume is not None
-        load_in_caller(loader.dataset, resume.streams[0])
-    points, load_points = start_points(
-        loader.num_workers, loader.dataset, loader._latest_pass, resume, reuse_workers
-    )
-    start = begin_pass(
-        epoch=epoch,
-        resume=resume,
-        in_progress=in_progress,
-        reuse_workers=reuse_workers,
-        index_sampler=loader._index_sampler,
-        generators=loader_generators(loader),
-        draw_base_seed=lambda: draw_base_seed(loader),
-        sample_seed=loader._sample_seed,
-        seed_per_sample=loader.seed_per_sample,
-        iterable=loader._dataset_kind == 1,
-        num_streams=max(1, loader.num_workers),
-        rank=loader._rank,
-        draw_shared_seed=(
-            (lambda: draw_shared_seed(loader)) if is_iter_datapipe(loader.dataset) else None
-        ),
-        starts_workers=loader.num_workers > 0,
-        points=points,
-        load_points=load_points,
-        worker_seed=loader._pool_seed if reuse_workers else None,
-    )
-    if in_caller and not in_progress:
-        start.progress.streams = [live_point(loader.dataset)]
-        if preloaded:
-            start.plans[0] = start.plans[0]._replace(dataset_state=None)
-    loader._sample_seed = start.sample_seed
-    loader._latest_pass = start.progress
-    if loader.num_workers > 0 and not reuse_workers:
-        loader._pool_seed = start.base_seed  # the workers this pass starts
-    if start.shared_seed is not None:
-        # The calling process's copy too, as torch seeds it (what num_workers=0 reads).
-        reseed(loader.dataset, start.shared_seed)
-    if loader.num_workers == 0 and is_datapipe(loader.dataset):
-        shard_in_process(loader.dataset, loader._world_size, loader._rank)
-
-    if loader.num_workers == 0 and loader.timeout != 0:
-        refusal = single_process_timeout_error()
-        if refusal is not None:
-            raise refusal
-    spec = worker_spec(loader)
-    if spec.worker_method == "auto":
-        spec = spec._replace(worker_method=auto_worker_method(loader, spec))
-    backend = choose_backend(
-        spec,
-        keeper=loader._workers,
-        base_seed=start.base_seed,
-        workers=loader.workers,
-        async_for=async_for,
-    )
-
-    setup = PassSetup(
-        batches=start.batches,
-        num_workers=max(1, loader.num_workers),
-        prefetch=prefetch_depth(loader),
-        in_order=loader.in_order,
-        timeout=loader.timeout,
-        max_worker_restarts=loader.max_worker_restarts,
-        progress=start.progress,
-        plans=start.plans,
-        traits=backend.traits,
-        transfer=transfer,
-        iterable_len=loader._IterableDataset_len_called,
-        dataset=loader.dataset,
-        skip_cap=skip_cap(loader),
-    )
-    return setup, backend
-
-
-def load_in_caller(dataset: Any, point: StreamPoint) -> None:
-    """Load the state a loaded checkpoint holds of the calling process's dataset (taken
-    between passes) now."""
-    if point.dataset_state is not None:
-        dataset.load_state_dict(point.dataset_state)
-
-
-def auto_worker_method(loader: LoaderView, spec: WorkerSpec) -> str:
-    """worker_method="auto": chosen once, before the loader's first pass with workers, by a
-    short trial (``_backends.thread.choose_worker_method``), and kept (``stats()["tuning"]``
-    reports it with its figures)."""
-    if loader.num_workers == 0:
-        return "multiprocessing"  # (the calling process: no workers to choose for)
-    if loader._method_choice is None:
-        from .._backends.thread import choose_worker_method
-
-        loader._method_choice = choose_worker_method(spec, usable_cores())
-    return str(loader._method_choice["value"])
-
-
-def fit_state(loader: LoaderView, parsed: ParsedState) -> None:
+def fit_state(loader: PassArguments, parsed: ParsedState) -> None:
     """Check that a loaded state fits ``loader`` (``load_state_dict``), now rather than when
     the next pass starts, which would drop it; a map-style dataset's streams are redealt to
     ``loader``'s workers where their number changed and they hold no state."""
     progress = parsed.progress
     in_progress = parsed.in_progress
-    iterable = loader._dataset_kind == 1
+    iterable = loader.dataset_kind == 1
     check_fit(parsed, iterable=iterable, batches=pass_length(loader))
     streams = max(1, loader.num_workers)
-    tuner = loader._tuner
+    tuner = loader.tuner
     if iterable and in_progress and tuner is not None and tuner.per_pass_workers:
         # num_workers="auto": the resumed pass runs a worker per saved stream.
         streams = len(progress.streams) if tuner.workers.auto else streams
@@ -761,7 +603,7 @@ def fit_state(loader: LoaderView, parsed: ParsedState) -> None:
             "with the same dataset"
         )
     if progress.sampler is not None and progress.sampler.state is not None and not iterable:
-        stack = SamplerStack(loader._index_sampler)
+        stack = SamplerStack(loader.index_sampler)
         if not stack.target_stateful:
             raise ValueError(
                 "aioload: the state holds a state_dict() of the sampler, but "
@@ -769,32 +611,12 @@ def fit_state(loader: LoaderView, parsed: ParsedState) -> None:
                 "with the same sampler"
             )
     # Checked now: a mismatch found when the next pass starts would drop the state.
-    check_generator_count(progress.rng["generators"], loader_generators(loader))
+    check_generator_count(progress.rng["generators"], loader.generators)
 
 
-def pass_length(loader: LoaderView) -> int | None:
+def pass_length(loader: PassArguments) -> int | None:
     """How many batches a map-style pass has (None: the sampler has no length)."""
     try:
-        return len(loader._index_sampler)
+        return len(loader.index_sampler)
     except (TypeError, NotImplementedError):
         return None
-
-
-def next_pass_progress(loader: LoaderView) -> PassProgress:
-    """The state between passes (``state_dict()``): the next pass, as it will start."""
-    reusable = loader._pool_reusable()
-    iterable = loader._dataset_kind == 1
-    return PassProgress(
-        epoch=loader._next_epoch,
-        rng={
-            "torch": torch.get_rng_state(),
-            "generators": generator_states(loader_generators(loader)),
-        },
-        sample_seed=loader._sample_seed,
-        iterable=iterable,
-        num_streams=max(1, loader.num_workers),
-        drew_base_seed=not reusable,
-        streams=next_points(loader.num_workers, loader.dataset, loader._latest_pass, reusable),
-        worker_seed=loader._pool_seed if reusable else None,
-        sampler=None if iterable else SamplerStack(loader._index_sampler).state_now(),
-    )

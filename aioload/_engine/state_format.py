@@ -88,21 +88,8 @@ def parse_state(state: Any) -> ParsedState:
     if not isinstance(generators, list):
         raise _corrupt("'rng'/'generators'", "is not a list")
     iterable = _flag(data, "iterable")
-    streams_data = _field(data, "streams", "state")
-    if not isinstance(streams_data, list) or not streams_data:
-        raise _corrupt("'streams'", "is not a non-empty list")
-    streams = [
-        _stream_point(point, f"'streams'[{index}]", version_1, iterable)
-        for index, point in enumerate(streams_data)
-    ]
-    prefix = _count(data, "yielded_prefix")
-    extra_data = _field(data, "yielded_extra", "state")
-    if not isinstance(extra_data, list) or not all(
-        type(p) is int and p > prefix for p in extra_data
-    ):
-        raise _corrupt("'yielded_extra'", "is not a list of positions beyond 'yielded_prefix'")
-    if len(set(extra_data)) != len(extra_data):
-        raise _corrupt("'yielded_extra'", "lists a position twice")
+    streams = _streams(data, version_1, iterable)
+    yielded = _yielded(data)
     next_worker = _count(data, "next_worker")
     if next_worker >= len(streams):
         raise _corrupt(
@@ -113,26 +100,21 @@ def parse_state(state: Any) -> ParsedState:
         raise _corrupt(
             "'sampler'", "holds a sampler state, but the state is of an iterable dataset"
         )
+    # (Read in this order, so that a state with several faults names the same one first.)
+    epoch = _count(data, "epoch", limit=_SEED_LIMIT)
+    decoded = _decoded_rng(rng, generators)
+    sample_seed = _seed(data, "sample_seed")
+    drew_base_seed = _flag(data, "drew_base_seed")
+    skipped = _skipped(data.get("skipped", []))
+    worker_seed = None if version_1 else _seed(data, "worker_seed")
     progress = PassProgress(
-        epoch=_count(data, "epoch", limit=_SEED_LIMIT),
-        rng={
-            "torch": decode_rng(_field(rng, "torch", "'rng'"), "'rng'/'torch'"),
-            "generators": [
-                decode_rng(value, f"'rng'/'generators'[{index}]")
-                for index, value in enumerate(generators)
-            ],
-        },
-        sample_seed=_seed(data, "sample_seed"),
-        iterable=iterable,
-        num_streams=len(streams),
-        drew_base_seed=_flag(data, "drew_base_seed"),
-        yielded=YieldedPositions(prefix, set(extra_data)),
-        streams=streams,
-        next_worker=next_worker,
-        skipped=_skipped(data.get("skipped", [])),
-        worker_seed=None if version_1 else _seed(data, "worker_seed"),
-        sampler=sampler,
+        epoch, decoded, sample_seed, iterable, len(streams), drew_base_seed, worker_seed
     )
+    progress.yielded = yielded
+    progress.streams = streams
+    progress.next_worker = next_worker
+    progress.skipped = skipped
+    progress.sampler = sampler
     in_progress = _flag(data, "in_progress")
     if version_1 and not in_progress:
         # Format /1 kept nothing of the workers' datasets between passes.
@@ -140,6 +122,38 @@ def parse_state(state: Any) -> ParsedState:
     return ParsedState(
         progress, in_progress, _count(data, "num_workers"), _seed(data, "shard_seed")
     )
+
+
+def _decoded_rng(rng: Mapping[str, Any], generators: list[Any]) -> dict[str, Any]:
+    return {
+        "torch": decode_rng(_field(rng, "torch", "'rng'"), "'rng'/'torch'"),
+        "generators": [
+            decode_rng(value, f"'rng'/'generators'[{index}]")
+            for index, value in enumerate(generators)
+        ],
+    }
+
+
+def _streams(data: Mapping[str, Any], version_1: bool, iterable: bool) -> list[StreamPoint]:
+    streams_data = _field(data, "streams", "state")
+    if not isinstance(streams_data, list) or not streams_data:
+        raise _corrupt("'streams'", "is not a non-empty list")
+    return [
+        _stream_point(point, f"'streams'[{index}]", version_1, iterable)
+        for index, point in enumerate(streams_data)
+    ]
+
+
+def _yielded(data: Mapping[str, Any]) -> YieldedPositions:
+    prefix = _count(data, "yielded_prefix")
+    extra_data = _field(data, "yielded_extra", "state")
+    if not isinstance(extra_data, list) or not all(
+        type(p) is int and p > prefix for p in extra_data
+    ):
+        raise _corrupt("'yielded_extra'", "is not a list of positions beyond 'yielded_prefix'")
+    if len(set(extra_data)) != len(extra_data):
+        raise _corrupt("'yielded_extra'", "lists a position twice")
+    return YieldedPositions(prefix, set(extra_data))
 
 
 def check_fit(parsed: ParsedState, *, iterable: bool, batches: int | None) -> None:

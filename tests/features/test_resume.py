@@ -29,6 +29,7 @@ from torch.utils.data import (
 
 import aioload
 import aioload._engine.pinning  # named at import time below (the package imports it lazily)
+import aioload.loader  # monkeypatched below: imported here, or a test run alone finds no aioload.loader
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -525,22 +526,43 @@ def test_iterable_resume_through_the_pin_stage(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         reference = [_rows(b) for b in make()]
-        for stop in sorted({1, len(reference) // 2, len(reference) - 1}):
-            loader = make()
-            iterator = iter(loader)
-            got = []
-            for _ in range(stop):
-                got.append(_rows(next(iterator)))
-                time.sleep(0.05)  # let answers pile up in the reorder buffer and the stage
-            state = _roundtrip(loader.state_dict())
-            del iterator
-            resumed = make()
-            resumed.load_state_dict(state)
-            everything = got + [_rows(b) for b in resumed]
-            if in_order:
-                assert everything == reference, stop
-            else:
-                assert sorted(everything) == sorted(reference), stop
+        # The path under test needs answers that arrived before the checkpoint and were not
+        # yet yielded (stats().waiting_in_order: in the reorder buffer or the pin stage). The
+        # engine reads answers only inside next(), so the workers are given time between
+        # batches, more on each try, until some checkpoint had answers waiting (bounded).
+        for pause in (0.05, 0.2, 0.8, 3.2):
+            if _resume_through_the_pin_stage(make, reference, in_order, pause):
+                break
+        else:
+            pytest.fail("no checkpoint had answers waiting: the path was not exercised")
+
+
+def _resume_through_the_pin_stage(
+    make: Callable[[], aioload.DataLoader[Any]],
+    reference: list[list[tuple[float, ...]]],
+    in_order: bool,
+    pause: float,
+) -> bool:
+    """Checkpoint after several batches, resume, compare; whether answers were waiting."""
+    exercised = False
+    for stop in sorted({1, len(reference) // 2, len(reference) - 1}):
+        loader = make()
+        iterator = iter(loader)
+        got = []
+        for _ in range(stop):
+            got.append(_rows(next(iterator)))
+            time.sleep(pause)  # the workers answer meanwhile; the next next() reads them
+        exercised |= loader.stats().waiting_in_order > 0
+        state = _roundtrip(loader.state_dict())
+        del iterator
+        resumed = make()
+        resumed.load_state_dict(state)
+        everything = got + [_rows(b) for b in resumed]
+        if in_order:
+            assert everything == reference, stop
+        else:
+            assert sorted(everything) == sorted(reference), stop
+    return exercised
 
 
 def test_set_epoch_after_loading_a_mid_epoch_state_drops_it() -> None:
