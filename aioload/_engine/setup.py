@@ -711,12 +711,12 @@ def load_in_caller(dataset: Any, point: StreamPoint) -> None:
 
 def auto_worker_method(loader: LoaderView, spec: WorkerSpec) -> str:
     """worker_method="auto": chosen once, before the loader's first pass with workers, by a
-    short trial (``_backends.thread.choose_worker_method``), and kept (``stats()["tuning"]``
+    short trial (``_backends.method_choice.choose_worker_method``), and kept (``stats()["tuning"]``
     reports it with its figures)."""
     if loader.num_workers == 0:
         return "multiprocessing"  # (the calling process: no workers to choose for)
     if loader._method_choice is None:
-        from .._backends.thread import choose_worker_method
+        from .._backends.method_choice import choose_worker_method
 
         loader._method_choice = choose_worker_method(spec, usable_cores())
     return str(loader._method_choice["value"])
