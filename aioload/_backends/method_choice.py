@@ -17,10 +17,17 @@ __all__ = ["choose_worker_method"]
 
 # How long each half of the trial fetches (one thread, then the workers' threads at once).
 _TRIAL_S = 0.15
-# The most samples one thread fetches in a half (a fast dataset is decided in far less time).
-_TRIAL_MAX_SAMPLES = 256
-# Threads are chosen where n threads fetch at least this share of n times what one does: what
-# n processes would reach on n free cores, less what they spend on shared memory and pickling.
+# The most samples one thread fetches in a half (a fast dataset is decided in far less time,
+# yet in enough samples that starting the threads does not weigh on its rate).
+_TRIAL_MAX_SAMPLES = 2048
+# What a worker process spends per sample beyond the dataset's own work, that a thread does
+# not: its share of the batch's trip to the consumer (packing, the socket, the slab, and the
+# consumer's unpacking), and of the process's bookkeeping. Set from the tiny benchmark, where
+# it is all there is: 2 worker processes deliver about 70 % of twice what one thread fetches.
+_PROCESS_OVERHEAD_PER_SAMPLE_S = 1.5e-6
+# Threads are chosen where they fetch at least this share of what the processes are estimated
+# to deliver: within the estimate's error, threads are the cheaper (no copy of the dataset per
+# worker, no /dev/shm, a faster first batch).
 _THREADS_AT_LEAST = 0.9
 
 
@@ -28,9 +35,12 @@ def choose_worker_method(spec: WorkerSpec, cores: int) -> dict[str, Any]:
     """``worker_method="auto"``, decided once per loader, before its first pass with
     workers: threads on a free-threaded interpreter; otherwise a short trial in this process
     measures how the dataset's samples scale across threads (the GIL decides it: decoding and
-    I/O release it, pure-Python samples do not) and threads are chosen where
-    ``n = min(num_workers, cores)`` threads fetch at least ``_THREADS_AT_LEAST * n`` times
-    what one thread does. The trial restores the process-wide generators it may have drawn
+    I/O release it, pure-Python samples do not). Threads are chosen where
+    ``n = min(num_workers, cores)`` threads fetch at least ``_THREADS_AT_LEAST`` times what
+    ``n`` processes are estimated to deliver: ``n`` times one thread's rate, each sample
+    costing a process ``_PROCESS_OVERHEAD_PER_SAMPLE_S`` more (its trip to the consumer), so
+    that a fast sample, where that trip is most of the cost, can go to threads that scale
+    less than ``n`` times. The trial restores the process-wide generators it may have drawn
     from. Returns the choice with its reason and figures (``stats()["tuning"]``)."""
     choice: dict[str, Any] = {"auto": True}
     is_gil_enabled = getattr(sys, "_is_gil_enabled", None)
@@ -54,18 +64,28 @@ def choose_worker_method(spec: WorkerSpec, cores: int) -> dict[str, Any]:
         one, many = _trial(dataset, workers)
     except Exception as error:
         return {**choice, "value": "multiprocessing", "reason": f"the trial failed: {error!r}"}
-    speedup = many / one if one > 0 else 0.0
-    threads = speedup >= _THREADS_AT_LEAST * workers
+    processes = _processes_estimate(one, workers)
+    threads = many >= _THREADS_AT_LEAST * processes
     return {
         **choice,
         "value": "thread" if threads else "multiprocessing",
         "reason": (
-            f"{workers} threads fetched {speedup:.2f}x what one did "
-            f"({'at least' if threads else 'under'} {_THREADS_AT_LEAST * workers:.2f}x)"
+            f"{workers} threads fetched {many:.0f} samples/s, "
+            f"{'at least' if threads else 'under'} {_THREADS_AT_LEAST:g}x the "
+            f"{processes:.0f} estimated for {workers} processes"
         ),
         "samples_per_s_one_thread": round(one, 1),
         f"samples_per_s_{workers}_threads": round(many, 1),
+        f"samples_per_s_{workers}_processes_estimated": round(processes, 1),
     }
+
+
+def _processes_estimate(one: float, workers: int) -> float:
+    """What ``workers`` processes would deliver, each on a core of its own, each sample
+    costing what it cost one thread plus a process's overhead per sample."""
+    if one <= 0:
+        return 0.0
+    return workers / (1.0 / one + _PROCESS_OVERHEAD_PER_SAMPLE_S)
 
 
 def _trial(dataset: Any, workers: int) -> tuple[float, float]:

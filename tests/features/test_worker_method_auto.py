@@ -94,3 +94,30 @@ def test_the_trial_leaves_the_global_generators_as_they_were() -> None:
     assert choice["value"] in ("thread", "multiprocessing")
     assert "samples_per_s_one_thread" in choice
     assert random.random() == random.Random(11).random()
+
+
+@pytest.mark.parametrize(
+    "rates, chosen",
+    [
+        # Fast samples (a few microseconds): a process's trip to the consumer is most of what
+        # each costs it, so threads that scale 1.33x beat the 2 processes' estimate.
+        ((300_000.0, 400_000.0), "thread"),
+        # Slow samples that do not scale across threads: processes.
+        ((1_000.0, 1_100.0), "multiprocessing"),
+        # Slow samples that scale (a decoder that releases the GIL): threads.
+        ((1_000.0, 1_850.0), "thread"),
+    ],
+)
+def test_auto_weighs_threads_against_the_processes_estimate(
+    rates: tuple[float, float], chosen: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aioload._backends import method_choice
+    from aioload._backends.base import WorkerSpec
+
+    monkeypatch.setattr(method_choice, "_rate", lambda dataset, size, workers: rates[workers > 1])
+    spec = WorkerSpec(Tensors(), 0, True, None, False, None, 2, 2, None, False)
+    choice = method_choice.choose_worker_method(spec, cores=2)
+    assert choice["value"] == chosen, choice["reason"]
+    estimate = choice["samples_per_s_2_processes_estimated"]
+    assert estimate == round(2 / (1 / rates[0] + method_choice._PROCESS_OVERHEAD_PER_SAMPLE_S), 1)
+    assert (rates[1] >= 0.9 * estimate) == (chosen == "thread")
