@@ -636,10 +636,12 @@ MODEL_BEGIN, MODEL_END = "<!-- model:start -->", "<!-- model:end -->"
 # Uneven samples (``python -m benchmarks.uneven``, run by ``make bench`` after this page is
 # written) and many cores (``make bench-cores``): sections of their own.
 UNEVEN_BEGIN, UNEVEN_END = "<!-- uneven:start", "<!-- uneven:end -->"
+THREADS_BEGIN, THREADS_END = "<!-- threads:start", "<!-- threads:end -->"
 CORES_BEGIN, CORES_END = "<!-- cores:start", "<!-- cores:end -->"
 # Sections a run of ``make bench`` keeps from the page it replaces, appended in this order.
 KEPT_SECTIONS = (
     (UNEVEN_BEGIN, UNEVEN_END),
+    (THREADS_BEGIN, THREADS_END),
     (MODEL_BEGIN, MODEL_END),
     (CORES_BEGIN, CORES_END),
     (RAY_BEGIN, RAY_END),
