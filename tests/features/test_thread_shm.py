@@ -82,7 +82,9 @@ def test_the_watch_sees_a_tensor_moved_to_shared_memory() -> None:
     # A user's collate_fn that moves the batch to shared memory (torch's file_descriptor
     # strategy: a /dev/shm file unlinked once opened, or a memfd): seen, under threads too.
     def to_shared(samples: list[torch.Tensor]) -> torch.Tensor:
-        return torch.stack(samples).share_memory_()
+        batch = torch.stack(samples)
+        batch.share_memory_()  # type: ignore[no-untyped-call]
+        return batch
 
     appeared, _ = new_shared_memory_while_loading(worker_method="thread", collate_fn=to_shared)
     assert appeared
