@@ -320,8 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_json is not None:
         return _write_from_json(args.from_json)
-    problem = _check_aioload()
-    if problem:
+    if problem := _check_aioload():
         print(f"error: {problem}", file=sys.stderr)
         return 2
     fake = fake_enabled()
