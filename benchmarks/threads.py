@@ -258,7 +258,8 @@ def section(result: dict[str, Any]) -> str:
             "",
             f"{result['workers']} workers, the medians of {result['rounds']} alternating rounds"
             f" on {machine['cores']} cores ({machine['cpu']}), Python {machine['python']},"
-            f" torch {machine['torch']}; {result['date']}, commit `{result['commit']}`."
+            f" torch {machine['torch']}, load average {machine['load_average']};"
+            f" {result['date']}, commit `{result['commit']}`."
             " jpeg: real 224x224 JPEGs decoded with Pillow and augmented with numpy into"
             " float32 tensors, batch 32; tiny: scalar tensors, batch 256; image: uint8"
             " 3x224x224, batch 64. Items/s from the first batch on; the first batch timed from"
@@ -338,13 +339,17 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.workloads import ensure_jpegs
 
     ensure_jpegs()  # (drawn once, before any run is timed)
+    load_before = os.getloadavg()[0]
     runs = run_rounds(args)
     rows = medians(runs)
     result: dict[str, Any] = {
         "command": " ".join(["python -m benchmarks.threads", *argv]),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "commit": _commit(),
-        "machine": _machine(),
+        "machine": {
+            **_machine(),
+            "load_average": f"{load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end",
+        },
         "workers": args.workers,
         "rounds": args.rounds,
         "min_seconds": args.min_seconds,

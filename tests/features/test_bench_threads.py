@@ -48,7 +48,13 @@ def test_the_section_names_machine_date_and_commit(tmp_path: Path) -> None:
         "rows": ROWS,
         "workers": 2,
         "rounds": 3,
-        "machine": {"cores": 2, "cpu": "a CPU", "python": "3.11.7", "torch": "2.13.0"},
+        "machine": {
+            "cores": 2,
+            "cpu": "a CPU",
+            "python": "3.11.7",
+            "torch": "2.13.0",
+            "load_average": "0.1 at the start, 0.2 at the end",
+        },
         "date": "2026-11-28",
         "commit": "abc1234",
         "command": "python -m benchmarks.threads",
@@ -59,7 +65,10 @@ def test_the_section_names_machine_date_and_commit(tmp_path: Path) -> None:
     threads.write_docs(page, result)
     text = page.read_text()
     assert "old" not in text and text.endswith("## After\n")
-    assert "2026-11-28, commit `abc1234`" in text and "2 cores (a CPU)" in text
+    assert (
+        "load average 0.1 at the start, 0.2 at the end; 2026-11-28, commit `abc1234`" in text
+        and "2 cores (a CPU)" in text
+    )
     assert '| jpeg | aioload, `worker_method="thread"` | 960 | 200 ms | 300 MiB | - |' in text
     assert '| tiny | aioload, `"auto"` | 170 | 400 ms | 200 MiB | multiprocessing |' in text
     assert "0.85 (target >= 0.9: missed)" in text
