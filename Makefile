@@ -62,6 +62,7 @@ bench: install
 	$(PY) -m benchmarks
 	$(PY) -m benchmarks.seeding --json docs/seeding.json
 	$(PY) -m benchmarks.uneven --json docs/benchmarks-uneven.json --docs docs/benchmarks.md
+	$(PY) -m benchmarks.threads --json docs/benchmarks-threads.json --docs docs/benchmarks.md
 
 # For a many-core machine (about 4 minutes on 16 cores): at 2, 4, 8 and 14 workers, the floor,
 # aioload and torch on tiny, image and uneven samples, with aioload's busy share and in-order

@@ -44,6 +44,19 @@ def _csv(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
     return list(dict.fromkeys(items))
 
 
+def _output_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out-dir", type=Path, default=Path("docs"))
+    p.add_argument("--no-write", action="store_true", help="print only, write no files")
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="measure nothing: write the pages again from this run's benchmarks.json, in its "
+        "folder",
+    )
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks",
@@ -112,16 +125,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=900.0,
         help="kill a run (and its workers) after this many seconds",
     )
-    p.add_argument("--out-dir", type=Path, default=Path("docs"))
-    p.add_argument("--no-write", action="store_true", help="print only, write no files")
-    p.add_argument(
-        "--from-json",
-        type=Path,
-        default=None,
-        metavar="PATH",
-        help="measure nothing: write the pages again from this run's benchmarks.json, in its "
-        "folder",
-    )
+    _output_args(p)
     a = p.parse_args(argv)
     if a.repeats < 1 or a.scale <= 0:
         p.error("--repeats must be >= 1 and --scale > 0")
@@ -261,18 +265,62 @@ def _startup_probes(
     return probes
 
 
+def _write_from_json(path: Path) -> int:
+    """Measure nothing: write the pages again from a run's JSON, in its folder."""
+    stored_meta, rows, stored_runs = report.load_json(path)
+    for written in report.write_all(path.parent, stored_meta, rows, stored_runs, from_json=True):
+        print(f"wrote {written}")
+    return 0
+
+
+def _available_peers(wanted: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The peer loaders installed here, and why each of the others is not measured."""
+    peers_absent: dict[str, str] = {}
+    peers: list[str] = []
+    for peer in wanted:
+        why = peer_available(peer)
+        if why is None:
+            peers.append(peer)
+        else:
+            peers_absent[peer] = f"not installed ({why})"
+    return peers, peers_absent
+
+
+def _schedule(args: argparse.Namespace, peers: list[str]) -> list[tuple[str, int, str, str, str]]:
+    """workload, repeat, loader, mode, pair; within a repeat the loaders alternate."""
+    modes: list[str] = args.modes
+    peer_workloads = {w.strip() for w in args.peer_workloads.split(",")}
+    schedule: list[tuple[str, int, str, str, str]] = []
+    for w in args.workloads:
+        for rep in range(args.repeats):
+            if not args.no_floor:
+                schedule.append((w, rep, "floor", "sync", "sync"))
+            # One torch run per repeat, compared with every aioload mode.
+            schedule.append((w, rep, "torch", "sync", modes[0]))
+            schedule += [(w, rep, "aioload", mode, mode) for mode in modes]
+            if w in peer_workloads:
+                schedule += [(w, rep, peer, "sync", "sync") for peer in peers]
+    return schedule
+
+
+def _import_overhead(args: argparse.Namespace) -> dict[str, float]:
+    import_stats = startup.import_overhead(args.import_repeats)
+    print(
+        f"import aioload over import torch: {import_stats['import_s'] * 1e3:.1f} ms wall, "
+        f"{import_stats['import_cpu_s'] * 1e3:.1f} ms CPU (median of "
+        f"{args.import_repeats}); with aioload.DataLoader in hand "
+        f"{import_stats['loader_s'] * 1e3:.1f} ms wall",
+        flush=True,
+    )
+    return import_stats
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.from_json is not None:
-        stored_meta, rows, stored_runs = report.load_json(args.from_json)
-        for path in report.write_all(
-            args.from_json.parent, stored_meta, rows, stored_runs, from_json=True
-        ):
-            print(f"wrote {path}")
-        return 0
-    problem = _check_aioload()
-    if problem:
+        return _write_from_json(args.from_json)
+    if problem := _check_aioload():
         print(f"error: {problem}", file=sys.stderr)
         return 2
     fake = fake_enabled()
@@ -296,15 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cpu_iters is not None
         else (calibrate_cpu_iters() if "cpu" in workloads else 0)
     )
-    peers_absent: dict[str, str] = {}
-    peers: list[str] = []
-    for peer in args.peers:
-        why = peer_available(peer)
-        if why is None:
-            peers.append(peer)
-        else:
-            peers_absent[peer] = f"not installed ({why})"
-    peer_workloads = {w.strip() for w in args.peer_workloads.split(",")}
+    peers, peers_absent = _available_peers(args.peers)
     command = ("AIOLOAD_BENCH_FAKE=1 " if fake else "") + shlex.join(
         ["python", "-m", "benchmarks", *argv]
     )
@@ -336,17 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    # workload, repeat, loader, mode, pair; within a repeat the loaders alternate.
-    schedule: list[tuple[str, int, str, str, str]] = []
-    for w in workloads:
-        for rep in range(args.repeats):
-            if not args.no_floor:
-                schedule.append((w, rep, "floor", "sync", "sync"))
-            # One torch run per repeat, compared with every aioload mode.
-            schedule.append((w, rep, "torch", "sync", modes[0]))
-            schedule += [(w, rep, "aioload", mode, mode) for mode in modes]
-            if w in peer_workloads:
-                schedule += [(w, rep, peer, "sync", "sync") for peer in peers]
+    schedule = _schedule(args, peers)
 
     runs: list[dict[str, Any]] = []
     t_all = time.monotonic()
@@ -356,26 +386,29 @@ def main(argv: list[str] | None = None) -> int:
         url = ""
         if "http" in workloads:
             url = servers.enter_context(object_store(sizes["http"], latency=LATENCY_S))
-        import_stats: dict[str, float] | None = None
+        import_stats = _import_overhead(args) if args.import_repeats > 0 and not fake else None
         probes: list[dict[str, Any]] = []
-        if args.import_repeats > 0 and not fake:
-            import_stats = startup.import_overhead(args.import_repeats)
-            print(
-                f"import aioload over import torch: {import_stats['import_s'] * 1e3:.1f} ms wall, "
-                f"{import_stats['import_cpu_s'] * 1e3:.1f} ms CPU (median of "
-                f"{args.import_repeats}); with aioload.DataLoader in hand "
-                f"{import_stats['loader_s'] * 1e3:.1f} ms wall",
-                flush=True,
-            )
         if args.startup_repeats > 0 and not fake:
             probes = _startup_probes(workloads, args, cpu_iters, url, sizes)
         print(RUN_HEADER, flush=True)
         _run_schedule(schedule, sizes, args, cpu_iters, min_seconds, url, runs)
+    meta["elapsed_s"] = time.monotonic() - t_all
 
-    rows = report.summarize(runs, workloads, modes, peers_absent)
+    return _report(args, meta, runs, probes, import_stats)
+
+
+def _report(
+    args: argparse.Namespace,
+    meta: dict[str, Any],
+    runs: list[dict[str, Any]],
+    probes: list[dict[str, Any]],
+    import_stats: dict[str, float] | None,
+) -> int:
+    """Summarize the runs, print the table and the targets, write the pages; the exit status."""
+    fake = meta["fake"]
+    rows = report.summarize(runs, args.workloads, args.modes, meta["peers_absent"])
     start_summary = report.summarize_startup(probes)
     found = report.targets(rows, start_summary, import_stats)
-    meta["elapsed_s"] = time.monotonic() - t_all
     meta["import"] = import_stats
     meta["startup"] = start_summary
     meta["startup_probes"] = probes

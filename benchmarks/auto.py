@@ -456,22 +456,32 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).with_suffix(".md").write_text(_markdown(saved))
         return 0
     if args.model:
-        if args.model_inputs:
-            saved = json.loads(Path(args.model_inputs).read_text())
-            inputs = saved.get("inputs", saved)  # docs/benchmarks-model.json wraps them
-        else:
-            inputs = model_inputs(args.rounds, args.min_seconds)
-        print(json.dumps(inputs, indent=1))
-        for parent_us in (None, args.parent_us):
-            if parent_us is None and args.parent_us is not None:
-                continue
-            for row in predict(inputs, parent_us=parent_us):
-                print(
-                    f"{row['workload']:6s} {row['workers']:3d} workers: floor "
-                    f"{_rate(row['floor'])}, predicted {_rate(row['predicted'])} "
-                    f"({row['share']:.0%}, {row['bound']}-bound, P {row['parent_us']:.0f} us)"
-                )
-        return 0
+        return _print_model(args)
+    return _measure_grid(args)
+
+
+def _print_model(args: argparse.Namespace) -> int:
+    """--model: the floor model's inputs (measured here, or from a file) and predictions."""
+    if args.model_inputs:
+        saved = json.loads(Path(args.model_inputs).read_text())
+        inputs = saved.get("inputs", saved)  # docs/benchmarks-model.json wraps them
+    else:
+        inputs = model_inputs(args.rounds, args.min_seconds)
+    print(json.dumps(inputs, indent=1))
+    for parent_us in (None, args.parent_us):
+        if parent_us is None and args.parent_us is not None:
+            continue
+        for row in predict(inputs, parent_us=parent_us):
+            print(
+                f"{row['workload']:6s} {row['workers']:3d} workers: floor "
+                f"{_rate(row['floor'])}, predicted {_rate(row['predicted'])} "
+                f"({row['share']:.0%}, {row['bound']}-bound, P {row['parent_us']:.0f} us)"
+            )
+    return 0
+
+
+def _measure_grid(args: argparse.Namespace) -> int:
+    """Every workload's settings, alternating over the rounds; the page and its JSON."""
     workloads = [w for w in args.workloads.split(",") if w]
     cpu_iters = calibrate_cpu_iters() if "cpu" in workloads else 0
     from aioload._engine.measure import usable_cores

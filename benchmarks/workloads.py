@@ -114,6 +114,73 @@ def calibrate_cpu_iters(target_s: float = 1e-3, probe_iters: int = 50_000) -> in
     return max(1, round(probe_iters * target_s / best))
 
 
+JPEG_SIDE = 224
+JPEG_FILES = 64
+"""Distinct JPEGs the ``jpeg`` workload cycles through (drawn once, then cached on disk)."""
+JPEG_CROP = 192
+
+
+def _draw_jpeg(index: int, side: int) -> Any:
+    """JPEG ``index``: a bright box on a noisy background, seeded by the index (as ``make
+    run``'s demo draws its images), so every run decodes the same bytes."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(index)
+    image = Image.fromarray(rng.integers(0, 90, size=(side, side, 3), dtype=np.uint8), "RGB")
+    size = int(rng.integers(side // 4, side // 2))
+    x, y = (int(v) for v in rng.integers(4, side - size - 4, size=2))
+    colour = tuple(int(c) for c in rng.integers(120, 256, size=3))
+    ImageDraw.Draw(image).rectangle((x, y, x + size, y + size), fill=colour)
+    return image
+
+
+def ensure_jpegs(count: int = JPEG_FILES, side: int = JPEG_SIDE) -> list[str]:
+    """The ``jpeg`` workload's files, drawn into a cache folder under the temporary directory
+    on first use; a marker written last says the set is complete."""
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(tempfile.gettempdir()) / f"aioload-bench-jpeg-v1-{side}-{count}"
+    paths = [folder / f"{i:04d}.jpg" for i in range(count)]
+    marker = folder / ".complete"
+    if not marker.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        for i, path in enumerate(paths):
+            _draw_jpeg(i, side).save(path, quality=90)
+        marker.touch()
+    return [str(p) for p in paths]
+
+
+class JpegDataset(Dataset[torch.Tensor]):
+    """``n`` samples decoded from real JPEG files with Pillow and augmented with numpy (random
+    crop, flip, brightness, normalisation into a float32 CHW tensor), as ``make run``'s demo
+    does: Pillow's decoder releases the GIL, the numpy steps mostly too."""
+
+    def __init__(self, n: int, paths: Sequence[str]) -> None:
+        self.n = n
+        self.paths = list(paths)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        import numpy as np
+        from PIL import Image
+
+        with Image.open(self.paths[index % len(self.paths)]) as image:
+            pixels = np.asarray(image.convert("RGB"), dtype=np.float32)
+        # numpy's global generator: each worker's own under processes, shared under threads
+        # (the augmentation's randomness is not what is measured).
+        top, left = np.random.randint(0, pixels.shape[0] - JPEG_CROP + 1, size=2)
+        pixels = pixels[top : top + JPEG_CROP, left : left + JPEG_CROP]
+        if np.random.rand() < 0.5:
+            pixels = pixels[:, ::-1]
+        pixels = pixels * (np.random.uniform(0.8, 1.2) / 255.0)
+        pixels = (pixels - 0.25) / 0.25
+        return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
+
+
 LATENCY_S = 0.020
 """Simulated per-sample latency of the ``latency`` workload, and the ``http`` server's."""
 
@@ -331,6 +398,8 @@ def make_dataset(
         return ImageDataset(size)
     if name == "cpu":
         return CpuDataset(size, cpu_iters)
+    if name == "jpeg":
+        return JpegDataset(size, ensure_jpegs())
     if name == "latency":
         return AsyncLatencyDataset(size) if asynchronous else LatencyDataset(size)
     if name == "http":

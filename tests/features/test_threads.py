@@ -6,7 +6,6 @@ promise, and checkpoints that move between worker methods."""
 from __future__ import annotations
 
 import random
-import sys
 import threading
 import warnings
 from typing import Any
@@ -384,69 +383,6 @@ def test_bad_values_are_refused() -> None:
         from torch.utils.data.datapipes.iter import IterableWrapper
 
         aioload.DataLoader(IterableWrapper(range(4)), num_workers=1, worker_method="thread")
-
-
-class Drawing(Dataset[int]):
-    """Draws from the global generator in every fetch."""
-
-    def __len__(self) -> int:
-        return 32
-
-    def __getitem__(self, i: int) -> int:
-        random.random()
-        return i
-
-
-@pytest.mark.parametrize(
-    "rates, chosen", [((100.0, 195.0), "thread"), ((100.0, 120.0), "multiprocessing")]
-)
-def test_auto_chooses_by_the_trial_and_reports_it(
-    rates: tuple[float, float], chosen: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from aioload._backends import thread as thread_backend
-    from aioload._engine import setup
-
-    monkeypatch.setattr(thread_backend, "_rate", lambda dataset, size, workers: rates[workers > 1])
-    monkeypatch.setattr(setup, "usable_cores", lambda: 2)
-    loader = aioload.DataLoader(Tensors(), batch_size=2, num_workers=2, worker_method="auto")
-    assert [int(b[0, 0]) for b in loader] == [0, 2, 4, 6]
-    choice = loader.stats().as_dict()["tuning"]["worker_method"]
-    assert choice["value"] == chosen and choice["auto"]
-    assert choice["samples_per_s_one_thread"] == 100.0
-    assert choice["samples_per_s_2_threads"] == rates[1]
-    # Chosen once: the next pass neither tries again nor changes its mind.
-    monkeypatch.setattr(thread_backend, "_rate", lambda *args: pytest.fail("tried again"))
-    assert [int(b[0, 0]) for b in loader] == [0, 2, 4, 6]
-    assert loader.stats().as_dict()["tuning"]["worker_method"] == choice
-
-
-def test_auto_takes_threads_on_a_free_threaded_interpreter(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(sys, "_is_gil_enabled", lambda: False, raising=False)
-    loader = aioload.DataLoader(Streams(), batch_size=2, num_workers=2, worker_method="auto")
-    assert sorted(i for b in loader for i in b.tolist()) == list(range(20))
-    choice = loader.stats().as_dict()["tuning"]["worker_method"]
-    assert (choice["value"], choice["reason"]) == ("thread", "free-threaded interpreter")
-
-
-def test_auto_does_not_try_an_iterable_dataset() -> None:
-    loader = aioload.DataLoader(Streams(), batch_size=2, num_workers=2, worker_method="auto")
-    assert sorted(i for b in loader for i in b.tolist()) == list(range(20))
-    choice = loader.stats().as_dict()["tuning"]["worker_method"]
-    assert choice["value"] == "multiprocessing" and "IterableDataset" in choice["reason"]
-
-
-def test_the_trial_leaves_the_global_generators_as_they_were() -> None:
-    from aioload._backends.base import WorkerSpec
-    from aioload._backends.thread import choose_worker_method
-
-    spec = WorkerSpec(Drawing(), 0, True, None, False, None, 2, 2, None, False)
-    random.seed(11)
-    choice = choose_worker_method(spec, cores=2)
-    assert choice["value"] in ("thread", "multiprocessing")
-    assert "samples_per_s_one_thread" in choice
-    assert random.random() == random.Random(11).random()
 
 
 def test_auto_worker_count_skipping_and_pinning_run_on_threads() -> None:

@@ -1,0 +1,373 @@
+"""Thread workers against worker processes and torch's DataLoader, at 2 workers.
+
+For the ``jpeg`` (real JPEGs decoded and augmented with Pillow and numpy), ``tiny`` and
+``image`` workloads, each loader runs in a fresh process: aioload with
+``worker_method="thread"``, with ``"multiprocessing"``, with ``"auto"``, and torch's
+DataLoader. Each run reports items/s over its steady state (from the first batch on, at least
+``--min-seconds``), the time to its first batch (from the loader's construction, its imports
+done beforehand; the workers' start and ``"auto"``'s trial included) and its peak memory: the sum of PSS
+(``/proc/<pid>/smaps_rollup``) over the run's process and its workers, sampled while it runs
+(RSS would count the pages parent and workers share once per process). Runs alternate (every
+loader once per round, the order rotated each round) and the medians are reported.
+
+    python -m benchmarks.threads                # 3 rounds (about 3 minutes)
+    python -m benchmarks.threads --quick        # a smoke run
+    python -m benchmarks.threads --json docs/benchmarks-threads.json --docs docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKLOADS = {"jpeg": (100_000, 32), "tiny": (4_000_000, 256), "image": (400_000, 64)}
+LOADERS = ("thread", "multiprocessing", "auto", "torch")
+BEGIN, END = "<!-- threads:start (make bench writes this section) -->", "<!-- threads:end -->"
+SAMPLE_PERIOD_S = 0.05
+
+
+# -- one run, in its own process ------------------------------------------------------------------
+
+
+def run_one(loader_name: str, workload: str, workers: int, min_seconds: float) -> dict[str, Any]:
+    """Items/s from the first batch on, the first batch's time, and what "auto" chose."""
+    import torch
+
+    import aioload
+    from benchmarks.workloads import count_items, make_dataset, touch
+
+    size, batch_size = WORKLOADS[workload]
+    dataset = make_dataset(workload, size, 0)
+    dataset[0]  # (the files are drawn, and the modules imported, before the clock starts)
+    kwargs: dict[str, Any] = {"batch_size": batch_size, "num_workers": workers}
+    make: Any = torch.utils.data.DataLoader
+    if loader_name != "torch":
+        make, kwargs["worker_method"] = aioload.DataLoader, loader_name
+    # A first loader, never iterated, imports what constructing one needs (a few hundred ms,
+    # the same for every worker method): the clock times the pass, not the imports.
+    make(dataset, **kwargs)
+    started = time.perf_counter()
+    loader = make(dataset, **kwargs)
+    first_s, items, steady_from = 0.0, 0, 0.0
+    for batch in loader:
+        touch(batch)
+        now = time.perf_counter()
+        if not steady_from:
+            first_s, steady_from = now - started, now
+            continue
+        items += count_items(batch)
+        if now - steady_from >= min_seconds:
+            break
+    rate = items / (time.perf_counter() - steady_from)
+    result: dict[str, Any] = {"items_per_s": rate, "first_batch_s": first_s}
+    if loader_name == "auto":
+        result["choice"] = loader.stats().as_dict()["tuning"]["worker_method"]
+    del batch, loader
+    _let_worker_threads_finish()
+    return result
+
+
+def _let_worker_threads_finish(bound_s: float = 30.0) -> None:
+    """Wait (bounded) until the loader's worker threads have left. A thread that is inside a
+    C++ call (a torch op) when the interpreter finalizes can abort the process ("terminate
+    called without an active exception"), and the run would count as failed."""
+    import gc
+    import threading
+
+    gc.collect()
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline and any(
+        t.name.startswith("aioload-worker-") for t in threading.enumerate()
+    ):
+        time.sleep(0.05)
+
+
+# -- the parent: alternating runs, PSS sampled --------------------------------------------------
+
+
+def pss_bytes(pid: int) -> int:
+    """The process's proportional set size, from ``/proc/<pid>/smaps_rollup`` (0 if gone)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        pass
+    return 0
+
+
+def tree_pss(root: int) -> int:
+    """The PSS of ``root`` and every process below it, summed."""
+    import psutil
+
+    try:
+        pids = [root, *(p.pid for p in psutil.Process(root).children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return 0
+    return sum(pss_bytes(pid) for pid in pids)
+
+
+def measure(loader_name: str, workload: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One run in a fresh process; its result with the peak PSS of its process tree."""
+    cmd = [sys.executable, "-m", "benchmarks.threads", "--one", loader_name, workload]
+    cmd += ["--workers", str(args.workers), "--min-seconds", str(args.min_seconds)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, start_new_session=True)
+    peak, deadline = 0, time.monotonic() + args.timeout
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            peak = max(peak, tree_pss(proc.pid))
+            time.sleep(SAMPLE_PERIOD_S)
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
+        out, _ = proc.communicate(timeout=60)
+    if proc.returncode != 0:
+        return {"error": f"exit code {proc.returncode}"}
+    return {**json.loads(out.decode().strip().splitlines()[-1]), "peak_pss_bytes": peak}
+
+
+def run_rounds(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every (workload, loader) once per round, the loaders' order rotated each round."""
+    runs: list[dict[str, Any]] = []
+    for r in range(args.rounds):
+        for workload in args.workloads:
+            order = args.loaders[r % len(args.loaders) :] + args.loaders[: r % len(args.loaders)]
+            for name in order:
+                run = {"round": r, "workload": workload, "loader": name}
+                run.update(measure(name, workload, args))
+                runs.append(run)
+                print(_run_line(run), flush=True)
+    return runs
+
+
+def _run_line(run: dict[str, Any]) -> str:
+    if "error" in run:
+        return f"  {run['workload']:<6} {run['loader']:<16} {run['error']}"
+    chose = f"  chose {run['choice']['value']}" if "choice" in run else ""
+    return (
+        f"  {run['workload']:<6} {run['loader']:<16} {run['items_per_s']:>10.0f} items/s"
+        f"  first {run['first_batch_s']:.3f} s  peak PSS {run['peak_pss_bytes'] / 2**20:.0f} MiB"
+        + chose
+    )
+
+
+def medians(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (workload, loader): the medians of its runs."""
+    rows = []
+    keys = sorted({(r["workload"], r["loader"]) for r in runs if "error" not in r})
+    for workload, name in keys:
+        mine = [r for r in runs if (r["workload"], r["loader"]) == (workload, name)]
+        mine = [r for r in mine if "error" not in r]
+        row: dict[str, Any] = {"workload": workload, "loader": name, "runs": len(mine)}
+        for key in ("items_per_s", "first_batch_s", "peak_pss_bytes"):
+            row[key] = statistics.median(r[key] for r in mine)
+        if name == "auto":
+            row["chose"] = sorted({r["choice"]["value"] for r in mine})
+        rows.append(row)
+    return rows
+
+
+def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The targets: jpeg threads vs processes (items/s >= 0.95x, memory <= 0.6x, first batch
+    <= 0.5x); tiny "auto" >= 0.9x the better of threads and processes."""
+    by = {(r["workload"], r["loader"]): r for r in rows}
+    out: dict[str, Any] = {}
+    t, p = by.get(("jpeg", "thread")), by.get(("jpeg", "multiprocessing"))
+    if t and p:
+        out["jpeg_items_per_s"] = _ratio(t["items_per_s"], p["items_per_s"], ">=", 0.95)
+        out["jpeg_memory"] = _ratio(t["peak_pss_bytes"], p["peak_pss_bytes"], "<=", 0.6)
+        out["jpeg_first_batch"] = _ratio(t["first_batch_s"], p["first_batch_s"], "<=", 0.5)
+    a = by.get(("tiny", "auto"))
+    best = max(
+        (
+            by[("tiny", m)]["items_per_s"]
+            for m in ("thread", "multiprocessing")
+            if ("tiny", m) in by
+        ),
+        default=None,
+    )
+    if a and best:
+        out["tiny_auto_items_per_s"] = _ratio(a["items_per_s"], best, ">=", 0.9)
+    return out
+
+
+def _ratio(value: float, against: float, sense: str, bound: float) -> dict[str, Any]:
+    ratio = value / against if against else float("inf")
+    met = ratio >= bound if sense == ">=" else ratio <= bound
+    return {"ratio": round(ratio, 3), "target": f"{sense} {bound}", "met": met}
+
+
+# -- the page -------------------------------------------------------------------------------------
+
+_NAMES = {
+    "thread": 'aioload, `worker_method="thread"`',
+    "multiprocessing": 'aioload, `"multiprocessing"`',
+    "auto": 'aioload, `"auto"`',
+    "torch": "torch",
+}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| workload | loader | items/s | first batch | peak memory (PSS) | chose |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        chose = ", ".join(row.get("chose", [])) or "-"
+        lines.append(
+            f"| {row['workload']} | {_NAMES[row['loader']]} | {row['items_per_s']:,.0f} "
+            f"| {row['first_batch_s'] * 1e3:,.0f} ms | {row['peak_pss_bytes'] / 2**20:,.0f} MiB "
+            f"| {chose} |"
+        )
+    return "\n".join(lines)
+
+
+def _target_lines(result: dict[str, Any]) -> list[str]:
+    words = {
+        "jpeg_items_per_s": "jpeg, threads' items/s over processes'",
+        "jpeg_memory": "jpeg, threads' peak memory over processes'",
+        "jpeg_first_batch": "jpeg, threads' first batch over processes'",
+        "tiny_auto_items_per_s": 'tiny, `"auto"`\'s items/s over the better of the two',
+    }
+    return [
+        f"- {words[k]}: {v['ratio']:.2f} (target {v['target']}: {'met' if v['met'] else 'missed'})"
+        for k, v in result["targets"].items()
+    ]
+
+
+def section(result: dict[str, Any]) -> str:
+    machine = result["machine"]
+    return "\n".join(
+        [
+            BEGIN,
+            "## Thread workers against processes (`python -m benchmarks.threads`)",
+            "",
+            f"{result['workers']} workers, the medians of {result['rounds']} alternating rounds"
+            f" on {machine['cores']} cores ({machine['cpu']}), Python {machine['python']},"
+            f" torch {machine['torch']}, load average {machine['load_average']};"
+            f" {result['date']}, commit `{result['commit']}`."
+            " jpeg: real 224x224 JPEGs decoded with Pillow and augmented with numpy into"
+            " float32 tensors, batch 32; tiny: scalar tensors, batch 256; image: uint8"
+            " 3x224x224, batch 64. Items/s from the first batch on; the first batch timed from"
+            " the loader's construction, imports done (workers' start and `\"auto\"`'s trial"
+            " included); memory"
+            " is the peak of the summed PSS of the run's process and its workers.",
+            "",
+            table(result["rows"]),
+            "",
+            *_target_lines(result),
+            "",
+            f"Command: `{result['command']}`. Raw runs: `docs/benchmarks-threads.json`.",
+            END,
+        ]
+    )
+
+
+def write_docs(path: Path, result: dict[str, Any]) -> None:
+    from benchmarks.uneven import write_section
+
+    write_section(path, section(result), BEGIN, END)
+
+
+def _machine() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cores": len(os.sched_getaffinity(0)),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "torch": torch.__version__.split("+")[0],
+    }
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        )
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.threads", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="a smoke run: one round, 0.5 s runs")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--min-seconds", type=float, default=3.0, help="steady state per run")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--loaders", default=",".join(LOADERS))
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per run")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--docs", type=Path, default=None, help="write the section into this page")
+    p.add_argument("--one", nargs=2, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.min_seconds = 1, 0.5
+    args.workloads = [w for w in str(args.workloads).split(",") if w in WORKLOADS]
+    args.loaders = [n for n in str(args.loaders).split(",") if n in LOADERS]
+    args.argv = argv
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.one is not None:
+        print(json.dumps(run_one(args.one[0], args.one[1], args.workers, args.min_seconds)))
+        return 0
+    from benchmarks.workloads import ensure_jpegs
+
+    ensure_jpegs()  # (drawn once, before any run is timed)
+    load_before = os.getloadavg()[0]
+    runs = run_rounds(args)
+    rows = medians(runs)
+    result: dict[str, Any] = {
+        "command": " ".join(["python -m benchmarks.threads", *argv]),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "commit": _commit(),
+        "machine": {
+            **_machine(),
+            "load_average": f"{load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end",
+        },
+        "workers": args.workers,
+        "rounds": args.rounds,
+        "min_seconds": args.min_seconds,
+        "rows": rows,
+        "runs": runs,
+    }
+    result["targets"] = targets(rows)
+    print(table(rows))
+    print("\n".join(_target_lines(result)))
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    if args.docs is not None:
+        write_docs(args.docs, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

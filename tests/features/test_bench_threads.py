@@ -1,0 +1,96 @@
+"""``python -m benchmarks.threads``: threads against processes, "auto" and torch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks import threads
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+
+def _row(workload: str, loader: str, ips: float, first: float, pss: int) -> dict[str, object]:
+    return {
+        "workload": workload,
+        "loader": loader,
+        "runs": 3,
+        "items_per_s": ips,
+        "first_batch_s": first,
+        "peak_pss_bytes": pss,
+    }
+
+
+ROWS = [
+    _row("jpeg", "thread", 960.0, 0.2, 300 << 20),
+    _row("jpeg", "multiprocessing", 1000.0, 0.5, 600 << 20),
+    _row("tiny", "thread", 100.0, 0.1, 100 << 20),
+    _row("tiny", "multiprocessing", 200.0, 0.3, 200 << 20),
+    {**_row("tiny", "auto", 170.0, 0.4, 200 << 20), "chose": ["multiprocessing"]},
+]
+
+
+def test_the_targets_are_judged_from_the_medians() -> None:
+    found = threads.targets(ROWS)
+    assert found["jpeg_items_per_s"] == {"ratio": 0.96, "target": ">= 0.95", "met": True}
+    assert found["jpeg_memory"] == {"ratio": 0.5, "target": "<= 0.6", "met": True}
+    assert found["jpeg_first_batch"] == {"ratio": 0.4, "target": "<= 0.5", "met": True}
+    assert found["tiny_auto_items_per_s"] == {"ratio": 0.85, "target": ">= 0.9", "met": False}
+
+
+def test_the_section_names_machine_date_and_commit(tmp_path: Path) -> None:
+    result = {
+        "rows": ROWS,
+        "workers": 2,
+        "rounds": 3,
+        "machine": {
+            "cores": 2,
+            "cpu": "a CPU",
+            "python": "3.11.7",
+            "torch": "2.13.0",
+            "load_average": "0.1 at the start, 0.2 at the end",
+        },
+        "date": "2026-11-28",
+        "commit": "abc1234",
+        "command": "python -m benchmarks.threads",
+    }
+    result["targets"] = threads.targets(ROWS)
+    page = tmp_path / "benchmarks.md"
+    page.write_text(f"# Benchmarks\n\n{threads.BEGIN}\nold\n{threads.END}\n\n## After\n")
+    threads.write_docs(page, result)
+    text = page.read_text()
+    assert "old" not in text and text.endswith("## After\n")
+    assert (
+        "load average 0.1 at the start, 0.2 at the end; 2026-11-28, commit `abc1234`" in text
+        and "2 cores (a CPU)" in text
+    )
+    assert '| jpeg | aioload, `worker_method="thread"` | 960 | 200 ms | 300 MiB | - |' in text
+    assert '| tiny | aioload, `"auto"` | 170 | 400 ms | 200 MiB | multiprocessing |' in text
+    assert "0.85 (target >= 0.9: missed)" in text
+
+
+def test_memory_is_the_pss_of_the_process_and_its_children() -> None:
+    alone = threads.tree_pss(os.getpid())
+    assert threads.pss_bytes(os.getpid()) > 0
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 10
+        while threads.pss_bytes(child.pid) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert threads.tree_pss(os.getpid()) > alone
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.parametrize("loader", ["thread", "auto"])
+def test_one_run_reports_its_rate_and_first_batch(loader: str) -> None:
+    result = threads.run_one(loader, "tiny", workers=2, min_seconds=0.2)
+    assert result["items_per_s"] > 0 and result["first_batch_s"] > 0
+    if loader == "auto":
+        assert result["choice"]["value"] in ("thread", "multiprocessing")
