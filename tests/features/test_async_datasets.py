@@ -27,7 +27,7 @@ import aioload
 from tests.helpers import flat, run_on, wait_until, within
 from tests.scripts.datasets import Squares
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.threads_pending, pytest.mark.timeout(60)]
 
 
 async def _acollect(loader: Any) -> list[Any]:

@@ -27,7 +27,7 @@ from aioload._engine.pinning import Transfer
 from aioload._worker.fetch import retry_delay
 from tests.helpers import flat, seeded_per_sample
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.threads_pending, pytest.mark.timeout(60)]
 
 
 class Flaky(Dataset[torch.Tensor]):

@@ -22,6 +22,8 @@ from torch.utils.data import IterableDataset
 
 import aioload
 
+pytestmark = pytest.mark.threads_pending
+
 State = dict[str, Any]
 N, BATCH = 12, 3  # 4 batches a pass
 

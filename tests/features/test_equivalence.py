@@ -16,7 +16,7 @@ from torch.utils.data import Dataset, IterableDataset
 import aioload
 from tests.scripts.datasets import Sharded, Squares
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.threads_pending, pytest.mark.timeout(120)]
 
 
 class Augmented(Dataset[dict[str, Any]]):

@@ -34,7 +34,7 @@ from tests.scripts.datasets import (
     init_failing_on_worker_1,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.threads_pending, pytest.mark.timeout(60)]
 
 APIS = ["sync", "async"]
 

@@ -15,7 +15,7 @@ import aioload
 from tests.helpers import batches_and_errors, consume
 from tests.scripts.datasets import Scalars
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.threads_pending, pytest.mark.timeout(60)]
 
 
 class Stream(IterableDataset[torch.Tensor]):

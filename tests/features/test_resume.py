@@ -30,7 +30,7 @@ from torch.utils.data import (
 import aioload
 import aioload._engine.pinning  # named at import time below (the package imports it lazily)
 
-pytestmark = pytest.mark.usefixtures("no_leaks")
+pytestmark = [pytest.mark.threads_pending, pytest.mark.usefixtures("no_leaks")]
 
 N = 60
 BATCH = 4

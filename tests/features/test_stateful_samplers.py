@@ -14,6 +14,8 @@ from torch.utils.data import BatchSampler, RandomSampler
 
 import aioload
 
+pytestmark = pytest.mark.threads_pending
+
 
 def _loader(**extra: Any) -> aioload.DataLoader[Any]:
     return aioload.DataLoader(list(range(23)), batch_size=4, shuffle=True, **extra)
