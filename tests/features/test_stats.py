@@ -20,7 +20,7 @@ from aioload.stats import RESERVOIR_SIZE, PassStats
 from tests.helpers import consume
 from tests.scripts.datasets import KillsItselfOnce, Numbers
 
-pytestmark = [pytest.mark.threads_pending, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.timeout(60)]
 
 
 class Shards(IterableDataset[torch.Tensor]):
