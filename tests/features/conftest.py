@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterator
-from typing import Any
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 
 import pytest
 
@@ -64,6 +65,29 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "worker_method" not in metafunc.fixturenames:
         metafunc.fixturenames.append("worker_method")
     metafunc.parametrize("worker_method", WORKER_METHODS)
+
+
+def _in_a_thread_worker() -> bool:
+    return threading.current_thread().name.startswith("aioload-worker-")
+
+
+def _refused() -> RuntimeError:
+    return RuntimeError(
+        "a thread worker tried to end the test process: mark this test processes_only "
+        "(tests/features/conftest.py)"
+    )
+
+
+def _kill(kill: Callable[[int, int], None], pid: int, sig: int) -> None:
+    if pid == os.getpid() and _in_a_thread_worker():
+        raise _refused()
+    kill(pid, sig)
+
+
+def _exit(exit_: Callable[[int], NoReturn], code: int) -> NoReturn:
+    if _in_a_thread_worker():
+        raise _refused()
+    exit_(code)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -120,6 +144,10 @@ def _local_workers(request: pytest.FixtureRequest) -> Iterator[None]:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(aioload.DataLoader, "__init__", init)
+        # A dataset that ends the process it runs in (a worker's death, scripted) would end
+        # the test process from a thread worker: refused there, with what to do.
+        patch.setattr(os, "kill", functools.partial(_kill, os.kill))
+        patch.setattr(os, "_exit", functools.partial(_exit, os._exit))
         yield
     call = request.node.stash.get(_CALL, None)
     if not built and call is not None and call.passed:
