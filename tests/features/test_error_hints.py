@@ -27,6 +27,7 @@ from tests.scripts.datasets import Squares
 
 pytestmark = pytest.mark.threads_pending
 
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

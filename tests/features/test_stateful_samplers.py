@@ -14,7 +14,9 @@ from torch.utils.data import BatchSampler, RandomSampler
 
 import aioload
 
-pytestmark = pytest.mark.threads_pending
+pytestmark = pytest.mark.no_local_workers(
+    "the samplers' state, in loaders that start no worker (num_workers=0)"
+)
 
 
 def _loader(**extra: Any) -> aioload.DataLoader[Any]:

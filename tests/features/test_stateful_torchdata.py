@@ -24,6 +24,7 @@ from .test_stateful import _interrupted, _uninterrupted
 
 pytestmark = pytest.mark.threads_pending
 
+
 stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
 
 
