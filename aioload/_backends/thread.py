@@ -67,6 +67,10 @@ THREAD = BackendTraits(slow_start=False, runs_ahead=True)
 _HEALTH_CHECK_S = 1.0
 # How long close() waits, in all, for the threads to finish the task in hand and leave.
 _CLOSE_GRACE_S = 0.5
+# How often a thread's async batch looks whether its pass is still wanted: a new pass or
+# close() cancels it, as a process worker cancels the batches of a pass it has left (else a
+# stale fetch that never ends would hold the thread, and the next pass would wait on it).
+_STALE_CHECK_S = 0.05
 # A thread's inbox: this ends the thread.
 _STOP: Any = object()
 # Names threads across backends, for place() and stack dumps.
@@ -208,8 +212,24 @@ class _ThreadWorker:
                 step.set_concurrency(message.concurrency)
             elif self.shared.current(message.generation):
                 started = time.perf_counter()
-                result = loop.run_until_complete(step.run_async(message))
-                self._answer(step, message, result, started)
+                result = loop.run_until_complete(self._unless_stale(step, message))
+                if result is not None:
+                    self._answer(step, message, result, started)
+
+    async def _unless_stale(self, step: WorkerStep, task: Task) -> StepResult | None:
+        """``step.run_async(task)``, cancelled (None: no answer, the engine drops stale
+        ones) once its pass is left or the backend closed."""
+        import asyncio  # (lazy, as the module's other imports of it)
+
+        job = asyncio.ensure_future(step.run_async(task))
+        while not job.done():
+            await asyncio.wait({job}, timeout=_STALE_CHECK_S)
+            if not job.done() and not self.shared.current(task.generation):
+                job.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await job
+                return None
+        return job.result()
 
     def _answer(self, step: WorkerStep, task: Task, result: StepResult, started: float) -> None:
         answer = Answer(

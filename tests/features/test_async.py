@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 import aioload
 from tests.helpers import max_stall, run_on
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120)]
 
 
 class Frames(Dataset[dict[str, Any]]):

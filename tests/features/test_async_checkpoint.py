@@ -21,7 +21,7 @@ import aioload
 from tests.helpers import run_on, within
 from tests.scripts.datasets import Scalars
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.threads_pending, pytest.mark.timeout(60)]
 
 BACKENDS = ["asyncio", "uvloop", "trio"]
 BODY_S = 0.005

@@ -23,6 +23,7 @@ from aioload._engine import pass_tuning, tuning
 from tests.helpers import seeded_per_sample
 
 pytestmark = [
+    pytest.mark.threads_pending,
     pytest.mark.timeout(120),
     # Three slots on a smaller test machine (usable_cores is patched): torch's advice, not ours.
     pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),

@@ -27,7 +27,7 @@ from aioload._engine.pinning import Transfer
 from aioload._worker.fetch import retry_delay
 from tests.helpers import flat, seeded_per_sample
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60)]
 
 
 class Flaky(Dataset[torch.Tensor]):
@@ -310,6 +310,9 @@ def check_skip_and_records(num_workers: int) -> None:
     assert "index 11" in table and "ValueError: sample 11 is broken" in table
 
 
+@pytest.mark.no_local_workers(
+    "runs in the calling process (num_workers=0), or refused at construction"
+)
 def test_skip_in_the_calling_process() -> None:
     check_skip_and_records(0)
 
@@ -369,6 +372,9 @@ def test_raise_is_the_default_and_the_callable_runs_in_the_worker(no_leaks: None
         list(in_process)
 
 
+@pytest.mark.no_local_workers(
+    "runs in the calling process (num_workers=0), or refused at construction"
+)
 def test_callable_decides_per_error() -> None:
     class Mixed(Flaky):
         def __getitem__(self, i: int) -> torch.Tensor:
@@ -386,6 +392,9 @@ def test_callable_decides_per_error() -> None:
     assert [r.index for r in loader.stats().skipped] == [1]
 
 
+@pytest.mark.no_local_workers(
+    "runs in the calling process (num_workers=0), or refused at construction"
+)
 def test_callable_with_a_bad_answer_is_an_error() -> None:
     loader = aioload.DataLoader(
         Flaky(4, {1}), batch_size=2, on_sample_error=lambda index, error: "ignore"
@@ -423,6 +432,9 @@ def test_max_skipped_count(no_leaks: None) -> None:
     assert loader.stats().skipped_count == 4
 
 
+@pytest.mark.no_local_workers(
+    "runs in the calling process (num_workers=0), or refused at construction"
+)
 def test_max_skipped_fraction_of_the_sampler() -> None:
     # 5 % of 100 samples: 5 may be skipped, the 6th is too many.
     ok = aioload.DataLoader(
@@ -440,6 +452,9 @@ def test_max_skipped_fraction_of_the_sampler() -> None:
     assert caught.value.max_skipped == 5 and caught.value.count == 6
 
 
+@pytest.mark.no_local_workers(
+    "runs in the calling process (num_workers=0), or refused at construction"
+)
 def test_max_skipped_fraction_without_len() -> None:
     # No len: the fraction is of the samples drawn so far, once 1/fraction have been drawn
     # (10 here), so the early skip of element 1 alone does not end the pass.
@@ -460,6 +475,9 @@ def test_max_skipped_fraction_without_len() -> None:
         list(short)
 
 
+@pytest.mark.no_local_workers(
+    "runs in the calling process (num_workers=0), or refused at construction"
+)
 def test_too_many_sample_errors_pickles() -> None:
     error = aioload.TooManySampleErrors(
         "too many", max_skipped=2, count=3, skipped=(aioload.SkippedSample(4, "E: x", 1, 2),)
@@ -474,6 +492,9 @@ def test_too_many_sample_errors_pickles() -> None:
 # -- retries, and batched fetches falling back to one by one -----------------------------------
 
 
+@pytest.mark.no_local_workers(
+    "runs in the calling process (num_workers=0), or refused at construction"
+)
 def test_backoff_doubles_from_50_ms() -> None:
     assert [retry_delay(k) for k in range(4)] == [0.05, 0.1, 0.2, 0.4]
     assert retry_delay(30) == 5.0  # capped
@@ -491,6 +512,9 @@ def check_transient(num_workers: int) -> None:
     assert record.error == "ConnectionError: sample 6: try 3 failed"
 
 
+@pytest.mark.no_local_workers(
+    "runs in the calling process (num_workers=0), or refused at construction"
+)
 def test_transient_failure_succeeds_on_retry() -> None:
     check_transient(0)
 
@@ -505,17 +529,26 @@ def test_retries_and_fallback_in_workers(no_leaks: None) -> None:
         assert [r.index for r in loader.stats().skipped] == [5]
 
 
+@pytest.mark.no_local_workers(
+    "runs in the calling process (num_workers=0), or refused at construction"
+)
 def test_failing_getitems_falls_back_in_the_calling_process() -> None:
     loader = aioload.DataLoader(Batched(8, {1}), batch_size=4, on_sample_error="skip")
     assert [b.tolist() for b in loader] == [[0, 2, 3], [4, 5, 6, 7]]
 
 
+@pytest.mark.no_local_workers(
+    "runs in the calling process (num_workers=0), or refused at construction"
+)
 def test_retries_alone_still_raise_in_the_end() -> None:
     loader = aioload.DataLoader(Transient(4, {1: 5}), batch_size=2, sample_retries=1)
     with pytest.raises(ConnectionError, match="try 2 failed"):
         list(loader)
 
 
+@pytest.mark.no_local_workers(
+    "runs in the calling process (num_workers=0), or refused at construction"
+)
 def test_async_retry_does_not_block_other_fetches() -> None:
     dataset = AsyncTransient(8)
 
@@ -533,6 +566,9 @@ def test_async_retry_does_not_block_other_fetches() -> None:
 # -- what is, and is not, a sample error; samples that cannot be sent --------------------------
 
 
+@pytest.mark.no_local_workers(
+    "runs in the calling process (num_workers=0), or refused at construction"
+)
 def test_collate_fn_failing_on_the_survivors_is_a_batch_error() -> None:
     def collate(samples: list[torch.Tensor]) -> torch.Tensor:
         if len(samples) > 1:
@@ -549,6 +585,7 @@ def test_collate_fn_failing_on_the_survivors_is_a_batch_error() -> None:
     assert loader.stats().skipped == []
 
 
+@pytest.mark.processes_only("a sample that cannot be pickled: thread workers pickle nothing")
 def test_uncollatable_and_unsendable_samples(no_leaks: None) -> None:
     # default_collate fails on the lock, and on that sample alone too: it is to blame.
     loader = aioload.DataLoader(
@@ -587,6 +624,9 @@ def test_uncollatable_and_unsendable_samples(no_leaks: None) -> None:
         assert records[0].error == "TypeError: cannot pickle '_thread.lock' object"
 
 
+@pytest.mark.processes_only(
+    "its dataset ends the process it runs in (os._exit): over threads, the test process"
+)
 def test_worker_failures_are_not_sample_errors(tmp_path: Path, no_leaks: None) -> None:
     def init(worker_id: int) -> None:
         raise OSError("no GPU for this worker")
@@ -633,6 +673,9 @@ class Slow(Flaky):
         ({"sample_retries": 1.5}, "sample_retries option should be"),
     ],
 )
+@pytest.mark.no_local_workers(
+    "runs in the calling process (num_workers=0), or refused at construction"
+)
 def test_bad_arguments_are_refused(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         aioload.DataLoader(Flaky(4, set()), **kwargs)
@@ -650,6 +693,9 @@ def keep(samples: list[Any]) -> list[Any]:
 # -- resume ------------------------------------------------------------------------------------
 
 
+@pytest.mark.no_local_workers(
+    "runs in the calling process (num_workers=0), or refused at construction"
+)
 def test_resume_carries_the_skips_and_does_not_refetch_them() -> None:
     def make(dataset: Dataset[Any]) -> aioload.DataLoader[Any]:
         return aioload.DataLoader(
@@ -688,6 +734,9 @@ def test_resume_carries_the_skips_and_does_not_refetch_them() -> None:
     assert resumed.stats().skipped_count == 3
 
 
+@pytest.mark.no_local_workers(
+    "runs in the calling process (num_workers=0), or refused at construction"
+)
 def test_resume_count_continues_against_the_cap() -> None:
     def make() -> aioload.DataLoader[Any]:
         return aioload.DataLoader(
@@ -706,6 +755,9 @@ def test_resume_count_continues_against_the_cap() -> None:
     assert [r.index for r in caught.value.skipped] == [1, 6, 13]
 
 
+@pytest.mark.no_local_workers(
+    "runs in the calling process (num_workers=0), or refused at construction"
+)
 def test_iterable_resume_carries_the_skips() -> None:
     def make() -> aioload.DataLoader[Any]:
         return aioload.DataLoader(Stream(20, {2, 13}), batch_size=4, on_sample_error="skip")
@@ -727,6 +779,9 @@ def test_iterable_resume_carries_the_skips() -> None:
 # -- composition -------------------------------------------------------------------------------
 
 
+@pytest.mark.processes_only(
+    "seed_per_sample seeds the process-wide generators in worker processes only; thread workers seed their rng instead (docs/threads.md; test_threads.py checks it)"
+)
 def test_seed_per_sample_and_persistent_workers(no_leaks: None) -> None:
     def run(num_workers: int) -> list[list[float]]:
         loader = seeded_per_sample(Random(), num_workers, on_sample_error="skip")
@@ -787,6 +842,9 @@ def check_async(num_workers: int) -> None:
     assert [r.index for r in stream_skips] == [4]
 
 
+@pytest.mark.no_local_workers(
+    "runs in the calling process (num_workers=0), or refused at construction"
+)
 def test_iterable_and_async_in_the_calling_process() -> None:
     check_iterable(0)
     check_async(0)
@@ -797,12 +855,18 @@ def test_iterable_and_async_in_workers(no_leaks: None) -> None:
     check_async(1)
 
 
+@pytest.mark.no_local_workers(
+    "runs in the calling process (num_workers=0), or refused at construction"
+)
 def test_a_generator_that_raised_has_ended() -> None:
     loader = aioload.DataLoader(GeneratorStream(10, 4), batch_size=3, on_sample_error="skip")
     assert flat(list(loader)) == [0, 1, 2, 3]
     assert [r.index for r in loader.stats().skipped] == [4]
 
 
+@pytest.mark.processes_only(
+    "its dataset ends the process it runs in (os._exit): over threads, the test process"
+)
 def test_max_worker_restarts(tmp_path: Path, no_leaks: None) -> None:
     loader = aioload.DataLoader(
         DiesOnce(16, {2, 6}, at=6, marker=tmp_path / "died"),
@@ -851,6 +915,9 @@ def test_all_skipped_batch_through_the_pin_stage(
     assert loader.stats().skipped_count == 5
 
 
+@pytest.mark.no_local_workers(
+    "runs in the calling process (num_workers=0), or refused at construction"
+)
 def test_progress_bar_shows_the_skips() -> None:
     out = io.StringIO()
     loader = aioload.DataLoader(Flaky(8, {1, 2}), batch_size=4, on_sample_error="skip")

@@ -13,6 +13,8 @@ import pytest
 from benchmarks import instructions, machine_profile, report, runner, startup, sweep, wakeups
 from benchmarks.__main__ import main as bench_main
 
+pytestmark = pytest.mark.no_local_workers("the benchmarks run in processes of their own")
+
 
 def test_tiny_bench_prints_floors_and_targets(
     no_leaks: Iterator[None], capsys: pytest.CaptureFixture[str]

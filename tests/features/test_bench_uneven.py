@@ -8,7 +8,11 @@ import argparse
 import statistics
 from pathlib import Path
 
+import pytest
+
 from benchmarks import cores, report, uneven
+
+pytestmark = pytest.mark.no_local_workers("the benchmarks run in processes of their own")
 
 
 def test_the_sleep_times_have_the_mean_and_spread_asked_for() -> None:

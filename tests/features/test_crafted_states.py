@@ -22,6 +22,11 @@ from torch.utils.data import IterableDataset
 
 import aioload
 
+pytestmark = pytest.mark.no_local_workers(
+    "states refused or loaded by loaders that start no worker"
+)
+
+
 State = dict[str, Any]
 N, BATCH = 12, 3  # 4 batches a pass
 

@@ -26,7 +26,11 @@ from torch.utils.data import Dataset, IterableDataset
 import aioload
 from tests.helpers import flat
 
-pytestmark = [pytest.mark.usefixtures("no_leaks"), pytest.mark.timeout(180)]
+pytestmark = [
+    pytest.mark.no_local_workers("the ranks and their loaders run in processes of their own"),
+    pytest.mark.usefixtures("no_leaks"),
+    pytest.mark.timeout(180),
+]
 
 N = 51  # not a multiple of the 2 ranks: DistributedSampler pads, and the padding shows
 BATCH = 4

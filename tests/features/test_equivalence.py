@@ -16,7 +16,14 @@ from torch.utils.data import Dataset, IterableDataset
 import aioload
 from tests.scripts.datasets import Sharded, Squares
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.processes_only(
+        "its datasets draw from the process-wide generators, which torch seeds per worker "
+        "process; over threads, tests/conformance is the torch-as-oracle suite (its datasets "
+        "draw from get_worker_info().rng there)"
+    ),
+]
 
 
 class Augmented(Dataset[dict[str, Any]]):

@@ -25,6 +25,9 @@ import torch
 import aioload
 from tests.scripts.datasets import Squares
 
+pytestmark = pytest.mark.threads_pending
+
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

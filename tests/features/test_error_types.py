@@ -15,6 +15,8 @@ import pytest
 
 import aioload.errors
 
+pytestmark = pytest.mark.no_local_workers("exception classes only, no loader")
+
 
 def _error_classes() -> list[type[BaseException]]:
     return sorted(

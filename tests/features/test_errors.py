@@ -34,7 +34,7 @@ from tests.scripts.datasets import (
     init_failing_on_worker_1,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.threads_pending, pytest.mark.timeout(60)]
 
 APIS = ["sync", "async"]
 
@@ -456,6 +456,9 @@ DEATHS = {
 }
 
 
+@pytest.mark.processes_only(
+    "its dataset kills the process it runs in (SIGKILL, SIGSEGV, os._exit): over threads, the test process"
+)
 @pytest.mark.parametrize("persistent", [False, True], ids=["transient", "persistent"])
 @pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("how", list(DEATHS))

@@ -20,7 +20,11 @@ from torch.utils.data import Dataset, IterableDataset
 
 import aioload
 
-pytestmark = [pytest.mark.usefixtures("no_leaks"), pytest.mark.timeout(120)]
+pytestmark = [
+    pytest.mark.threads_pending,
+    pytest.mark.usefixtures("no_leaks"),
+    pytest.mark.timeout(120),
+]
 
 N = 24
 

@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 import aioload
 from tests.helpers import run_on
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.threads_pending, pytest.mark.timeout(60)]
 
 THRESHOLD = 0.25
 SLOW_S = 0.8

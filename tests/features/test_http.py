@@ -21,7 +21,7 @@ import aioload
 from benchmarks.httpserver import FileServer, file_bytes, make_files
 from tests.helpers import wait_until, within
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.threads_pending, pytest.mark.timeout(60)]
 
 NUM_FILES = 3000
 

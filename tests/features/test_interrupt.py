@@ -14,7 +14,10 @@ import pytest
 
 from tests.helpers import within
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.processes_only("SIGINT to a script whose worker processes must not survive it"),
+]
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "interrupted.py"
 

@@ -23,7 +23,10 @@ from aioload._backends.fake import HANG, FakeWorkers
 from tests.scripts.datasets import Sharded
 
 # torch's own check, against this machine's cores: the fake forks no worker.
-pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
+    pytest.mark.no_local_workers("the fake backend's slots, not local workers"),
+]
 
 
 class _Where(Dataset[torch.Tensor]):

@@ -27,7 +27,11 @@ from torch.utils.data import Dataset
 
 import aioload
 
-pytestmark = [pytest.mark.usefixtures("no_leaks"), pytest.mark.timeout(240)]
+pytestmark = [
+    pytest.mark.no_local_workers("the ranks and their loaders run in processes of their own"),
+    pytest.mark.usefixtures("no_leaks"),
+    pytest.mark.timeout(240),
+]
 
 N = 100
 BATCH = 10

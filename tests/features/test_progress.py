@@ -15,7 +15,7 @@ import aioload
 from tests.helpers import batches_and_errors, consume
 from tests.scripts.datasets import Scalars
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60)]
 
 
 class Stream(IterableDataset[torch.Tensor]):
@@ -80,6 +80,7 @@ def test_progress_option_on_the_loader(
     assert "data-bound" in err
 
 
+@pytest.mark.no_local_workers("starts no worker (num_workers=0, or no pass runs)")
 def test_without_length_the_bar_has_no_total(no_leaks: None) -> None:
     out = io.StringIO()
     loader = aioload.DataLoader(Stream(), batch_size=4, num_workers=0)
@@ -88,6 +89,7 @@ def test_without_length_the_bar_has_no_total(no_leaks: None) -> None:
     assert "/2" not in out.getvalue()
 
 
+@pytest.mark.no_local_workers("starts no worker (num_workers=0, or no pass runs)")
 def test_wraps_torchs_loader_too() -> None:
     out = io.StringIO()
     loader = torch.utils.data.DataLoader(Scalars(8), batch_size=4)
@@ -110,6 +112,7 @@ def test_bar_survives_a_recoverable_dataset_error(num_workers: int, no_leaks: No
     assert "9/10" in out.getvalue()
 
 
+@pytest.mark.no_local_workers("starts no worker (num_workers=0, or no pass runs)")
 def test_resumed_pass_bar_starts_where_the_checkpoint_was(no_leaks: None) -> None:
     loader = aioload.DataLoader(Scalars(40), batch_size=4)
     iterator = iter(loader)
@@ -123,6 +126,7 @@ def test_resumed_pass_bar_starts_where_the_checkpoint_was(no_leaks: None) -> Non
     assert bars._bar.bar.n == 10  # type: ignore[attr-defined]
 
 
+@pytest.mark.no_local_workers("starts no worker (num_workers=0, or no pass runs)")
 def test_progress_iterator_keeps_len(no_leaks: None) -> None:
     loader = aioload.DataLoader(Scalars(40), batch_size=4, progress=True)
     iterator = iter(loader)

@@ -13,7 +13,7 @@ import aioload
 from tests.helpers import within
 from tests.scripts.datasets import Squares
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60)]
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

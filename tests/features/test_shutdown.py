@@ -49,7 +49,7 @@ from tests.scripts.datasets import (
     Squares,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.threads_pending, pytest.mark.timeout(60)]
 
 APIS = ["sync", "async"]
 SCRIPTS = Path(__file__).parents[1] / "scripts"

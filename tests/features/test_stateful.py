@@ -35,6 +35,8 @@ from ..scripts.stateful import (
     SelfIterating,
 )
 
+pytestmark = pytest.mark.threads_pending
+
 Make = Callable[[], aioload.DataLoader[Any]]
 Epochs = list[list[Any]]
 

@@ -14,6 +14,10 @@ from torch.utils.data import BatchSampler, RandomSampler
 
 import aioload
 
+pytestmark = pytest.mark.no_local_workers(
+    "the samplers' state, in loaders that start no worker (num_workers=0)"
+)
+
 
 def _loader(**extra: Any) -> aioload.DataLoader[Any]:
     return aioload.DataLoader(list(range(23)), batch_size=4, shuffle=True, **extra)

@@ -22,6 +22,9 @@ import aioload
 from ..scripts.stateful import CursorStream, EpochStream, RngMap, RngSampler, SelfIterating
 from .test_stateful import _interrupted, _uninterrupted
 
+pytestmark = pytest.mark.threads_pending
+
+
 stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
 
 

@@ -20,7 +20,7 @@ from aioload.stats import RESERVOIR_SIZE, PassStats
 from tests.helpers import consume
 from tests.scripts.datasets import KillsItselfOnce, Numbers
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60)]
 
 
 class Shards(IterableDataset[torch.Tensor]):
@@ -168,6 +168,9 @@ def test_queue_depths(no_leaks: None) -> None:
     assert stats.waiting_in_order_mean > 2, str(stats)
 
 
+@pytest.mark.processes_only(
+    "its dataset SIGKILLs the process it runs in: over threads, this one (test_threads.py counts a thread replaced)"
+)
 def test_restarts_are_counted(tmp_path: Path, no_leaks: None) -> None:
     loader = aioload.DataLoader(
         KillsItselfOnce(40, at=13, marker=tmp_path / "killed"),
@@ -268,6 +271,7 @@ def test_dataset_error_keeps_counting(no_leaks: None) -> None:
     assert (loader.stats().batches, loader.stats().samples) == (2, 8)
 
 
+@pytest.mark.no_local_workers("PassStats alone, no loader")
 def test_fetch_times_are_bounded_in_memory() -> None:
     stats = PassStats(1, in_process=False, auto_collation=True)
     for i in range(RESERVOIR_SIZE * 5):

@@ -18,7 +18,10 @@ from torch.utils.data import Dataset, IterableDataset
 import aioload
 from tests.helpers import run_fresh, run_on, within
 
-pytestmark = pytest.mark.usefixtures("no_leaks")
+pytestmark = [
+    pytest.mark.usefixtures("no_leaks"),
+    pytest.mark.own_worker_method("every test here says which worker methods it runs"),
+]
 
 
 class Infos(Dataset[dict[str, Any]]):
