@@ -41,7 +41,7 @@ def test_the_seeding_table_is_the_committed_run() -> None:
 
 def test_the_worked_differences_follow_from_the_table() -> None:
     text = NOTES.read_text()
-    worked = re.findall(r"2/([\d,]+) − 2/([\d,]+) s = ([\d.]+) µs", text)
+    worked = re.findall(r"2/([\d,]+) - 2/([\d,]+) s = ([\d.]+) µs", text)
     assert len(worked) == 2, worked
     for on, off, difference in worked:
         expected = (2 / _number(on) - 2 / _number(off)) * 1e6
