@@ -4,8 +4,11 @@ A page and the code that drift apart fail here."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import re
+import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -143,3 +146,40 @@ def test_batch_tensors_are_not_is_shared() -> None:
     batch = next(iter(loader))
     assert batch.is_shared() is False
     del batch, loader
+
+
+def test_ray_workers_without_ray_name_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    # scaling.md and errors.md: `RayWorkers` without Ray raises an ImportError naming the extra.
+    assert "raises an ImportError naming the extra" in _page("docs/scaling.md")
+    assert "| `ImportError` | `aioload.RayWorkers(...)` without Ray installed" in _page(
+        "docs/errors.md"
+    )
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"aioload\[ray\]"):
+        aioload.RayWorkers(num_cpus=1)
+
+
+def test_a_second_anext_on_a_waiting_iterator_is_refused() -> None:
+    # async.md: "A second `anext()` on an iterator that is already waiting raises
+    # `RuntimeError: aioload: this iterator is already waiting for a batch`".
+    message = "aioload: this iterator is already waiting for a batch"
+    assert f"raises `RuntimeError: {message}`" in _page("docs/async.md").replace("\n", " ")
+
+    class Slow(Dataset[int]):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, index: int) -> int:
+            time.sleep(0.2)
+            return index
+
+    async def main() -> None:
+        iterator = aiter(aioload.DataLoader(Slow(), batch_size=2, num_workers=1))
+        first = asyncio.ensure_future(anext(iterator))
+        await asyncio.sleep(0.05)
+        with pytest.raises(RuntimeError, match=message):
+            await anext(iterator)
+        await first
+        await iterator.aclose()
+
+    asyncio.run(main())
