@@ -183,3 +183,30 @@ def test_a_second_anext_on_a_waiting_iterator_is_refused() -> None:
         await iterator.aclose()
 
     asyncio.run(main())
+
+
+def test_the_tuning_page_gives_the_tuners_own_constants() -> None:
+    # tuning.md's "What it measures" and "How it decides" quote the thresholds the tuner uses.
+    from aioload._engine import tuning as t
+
+    page = " ".join(_page("docs/tuning.md").split())
+
+    def pct(share: float) -> str:
+        return f"{round(share * 100):d} %"
+
+    quoted = [
+        f"at least {t.MIN_BATCHES} batches and {t.MIN_SECONDS:g} s, or {t.MAX_SECONDS:g} s",
+        f"The consumer waits at least {pct(t.WAIT_HIGH)} of its time",
+        f"It waits at most {pct(t.WAIT_LOW)} with the workers mostly idle",
+        f"at most {pct(t.SHRINK_BUSY)} busy without it",
+        f"from {t.START_CONCURRENCY}, four times as many while the consumer waits at least half",
+        f"up to {t.MAX_CONCURRENCY}, while each step brings at least {pct(t.CONCURRENCY_GAIN - 1)}",
+        f"A growth must bring {pct(t.GAIN - 1)} more samples/s "
+        f"({pct(t.CONCURRENCY_GAIN - 1)} for concurrency)",
+        f"a shrink must keep {pct(t.KEEP)} of the throughput",
+        f"a bound for the next {t.RETRY_WINDOWS} windows",
+        f"turns direction {t.MAX_REVERSALS} times in a pass",
+    ]
+    assert t.WAIT_MOSTLY == 0.5 and t.SHRINK_DEPTH_BUSY == 0.5  # "half its time", "half busy"
+    missing = [text for text in quoted if text not in page]
+    assert not missing, f"docs/tuning.md no longer matches the tuner: {missing}"
