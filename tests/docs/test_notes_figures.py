@@ -46,3 +46,21 @@ def test_the_worked_differences_follow_from_the_table() -> None:
     for on, off, difference in worked:
         expected = (2 / _number(on) - 2 / _number(off)) * 1e6
         assert f"{expected:.1f}" == difference, (on, off, difference)
+
+
+def test_the_soak_note_is_the_committed_soak_run() -> None:
+    # reliability.md's "How this is tested" note under Soak quotes docs/soak.json (`make soak`).
+    run = json.loads((ROOT / "docs" / "soak.json").read_text())
+    page = " ".join((ROOT / "docs" / "reliability.md").read_text().split())
+    for row in ("start", "end"):
+        counts = run[row]
+        cells = f"| {row} | {counts['processes']} | {counts['fds']} | {counts['threads']} | "
+        assert cells + f"{counts['dev_shm_entries']} |" in page, row
+    activity = run["activity"]
+    said = (
+        f"{run['loaders']:,} loaders in {run['seconds']} s: {activity['sync']} sync and "
+        f"{activity['async']} async passes, {activity['batches']:,} batches, "
+        f"{activity['killed']} with a worker killed ({activity['healed']} of them healing), "
+        f"{activity['persistent']} persistent"
+    )
+    assert said in page, said
