@@ -42,7 +42,9 @@ docs: install
 unit: install
 	$(PY) -m pytest
 
-test: lint docs unit
+# pytest checks the site that `docs` built (tests/docs/test_site.py) rather than building it again.
+test: lint docs
+	AIOLOAD_BUILT_SITE=site $(PY) -m pytest
 
 # tests/conformance and a smoke subset (tools/compat/smoke.txt) against every torch release of
 # tools/compat/releases.txt, as users install them (the registry's CUDA builds, and the CPU

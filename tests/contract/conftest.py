@@ -14,7 +14,7 @@ The kinds:
 - ``ray``: ``workers=aioload.RayWorkers(...)``. Ray binds to the machine's external
   interface, and these tests may reach only loopback, so Ray's cases run only inside a
   loopback-only network namespace (``AIOLOAD_RAY_NETNS=1``, as tests/ray runs; the outer test
-  is tests/ray/test_ray_contract.py), on one local Ray for the whole run, under ``for`` only
+  is tests/ray/test_ray_workers.py), on one local Ray for the whole run, under ``for`` only
   (see ``backend``).
 - ``thread``: ``worker_method="thread"``, present from the build whose ``DataLoader`` takes
   it; skipped before.
@@ -186,7 +186,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]
         if not RAY_INSIDE:
             pytest.skip(
                 "Ray binds to the machine's external interface: its cases run inside a "
-                "loopback-only network namespace (tests/ray/test_ray_contract.py)"
+                "loopback-only network namespace (tests/ray/test_ray_workers.py)"
             )
         if request.node.callspec.params.get("mode", "for") != "for":
             # The front ends are the engine's, whatever the backend; Ray's passes cost seconds

@@ -1,7 +1,11 @@
 """The built docs site reads well at 1400 px: each page, opened from disk in headless Chromium,
 neither scrolls sideways nor has a table or code block that does, and shows its plots at a
 width where their text is legible (tools/check_site.py). Skipped where Chromium is not
-installed (Debian: `apt-get install chromium`)."""
+installed (Debian: `apt-get install chromium`).
+
+``make test`` builds the site once, strictly (its ``docs`` step), and names it here with
+``AIOLOAD_BUILT_SITE``: the test then checks that build instead of making its own, the same
+``mkdocs build --strict`` of the same checkout (seconds on the 2-core machine)."""
 
 from __future__ import annotations
 
@@ -27,14 +31,7 @@ def test_every_page_fits_in_1400_px(tmp_path: Path) -> None:
     mkdocs = Path(sys.executable).with_name("mkdocs")
     if not mkdocs.exists():
         pytest.skip("mkdocs is not installed (the docs extra)")
-    site = tmp_path / "site"
-    subprocess.run(
-        [str(mkdocs), "build", "--strict", "--quiet", "--site-dir", str(site)],
-        cwd=ROOT,
-        check=True,
-        timeout=300,
-        env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
-    )
+    site = _built_site(mkdocs, tmp_path / "site")
     # What `python tools/check_site.py --site SITE --width 1400` checks, two pages at a time:
     # each page is a Chromium of its own (its own profile), most of whose time is its start.
     chromium = check_site.find_chromium()
@@ -104,3 +101,20 @@ def test_the_css_reader_reads_media_blocks() -> None:
     rules = _css_rules("a { b: c; } @media screen and (max-width: 10em) { .x code { y: z; } }")
     assert rules["|a"] == {"b": "c"}
     assert rules["screen and (max-width: 10em)|.x code"] == {"y": "z"}
+
+
+def _built_site(mkdocs: Path, into: Path) -> Path:
+    """The site ``make test`` built (``AIOLOAD_BUILT_SITE``), or a strict build into ``into``."""
+    built = os.environ.get("AIOLOAD_BUILT_SITE")
+    if built:
+        site = (ROOT / built).resolve()
+        assert (site / "index.html").is_file(), f"AIOLOAD_BUILT_SITE={built}: no site there"
+        return site
+    subprocess.run(
+        [str(mkdocs), "build", "--strict", "--quiet", "--site-dir", str(into)],
+        cwd=ROOT,
+        check=True,
+        timeout=300,
+        env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
+    )
+    return into

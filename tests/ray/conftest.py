@@ -5,24 +5,27 @@ in a loopback-only network namespace.
 
 Ray binds to the machine's external interface by default, and tests may talk only to
 127.0.0.1. So one outer test (in test_ray_workers.py) re-runs the inner tests of every Ray test
-file in a child inside a private network namespace (``unshare -n``, then ``ip link set lo
-up``), where loopback is the only interface; the inner tests run only there
-(``AIOLOAD_RAY_NETNS=1``). Where no namespace can be made (not root, no unshare), the outer
-test skips and says so.
+file, and the Ray cases of the backend contract (tests/contract), in one child inside a private
+network namespace (``unshare -n``, then ``ip link set lo up``), where loopback is the only
+interface; the inner tests run only there (``AIOLOAD_RAY_NETNS=1``). One child, not one per
+file: each would import torch and start a Ray of its own (seconds each on the 2-core machine).
+Where no namespace can be made (not root, no unshare), the outer test skips and says so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -34,30 +37,68 @@ REPO = Path(__file__).resolve().parents[2]
 inner = pytest.mark.skipif(not INSIDE, reason="runs inside the private network namespace")
 
 
-def run_inside_a_namespace(test_files: list[Path], timeout_s: float) -> None:
-    """Run the inner tests of ``test_files`` in one pytest, in a private network namespace
+def run_inside_a_namespace(test_paths: list[Path], timeout_s: float) -> None:
+    """Run the inner tests of ``test_paths`` in one pytest, in a private network namespace
     whose only interface is loopback (Ray binds to the machine's address otherwise); skip
-    where none can be made."""
+    where none can be made. The child runs in a session of its own: Ray's processes (GCS,
+    raylet, agents, actors) are in its process group, and whatever of it is left when the run
+    ends or times out is killed, so that no Ray process outlives the test."""
     problem = ray_namespace_problem()
     if problem is not None:
         pytest.skip(problem)
     env = {**os.environ, "AIOLOAD_RAY_NETNS": "1", "RAY_ADDRESS": ""}
-    paths = " ".join(str(path.relative_to(REPO)) for path in test_files)
+    paths = " ".join(str(path.relative_to(REPO)) for path in test_paths)
+    # NOTE: -p no:randomly: the inner tests run in the order given (the two-node test, which
+    # ends the one-node Ray, last); a shuffle would start that Ray again, for seconds.
     command = (
         "ip link set lo up && exec "
-        f"{sys.executable} -m pytest {paths} -q -p no:cacheprovider -o addopts=-ra"
+        f"{sys.executable} -m pytest {paths} -q -p no:cacheprovider -p no:randomly "
+        "-o addopts='-ra --durations=15'"
     )
-    done = subprocess.run(
-        ["unshare", "-n", "sh", "-c", command],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
+    done = run_in_own_group(["unshare", "-n", "sh", "-c", command], env, timeout_s)
     print(done.stdout[-6000:], done.stderr[-3000:])
+    if done.returncode is None:
+        pytest.fail(f"the inner Ray tests hung: not done after {timeout_s:.0f} s")
     assert done.returncode == 0, done.stdout[-6000:]
     assert " passed" in done.stdout and " failed" not in done.stdout
+
+
+class Done(NamedTuple):
+    returncode: int | None  # None: timed out
+    stdout: str
+    stderr: str
+
+
+def run_in_own_group(argv: list[str], env: dict[str, str], timeout_s: float) -> Done:
+    """Run ``argv`` from the repository root in a session (and process group) of its own and
+    return its exit status and output; whatever of the group is left when it ends, or when it
+    times out (``returncode`` None), is killed. Ray's GCS, raylet and agents do not start
+    sessions of their own: a timed-out run killed alone would leave them running."""
+    child = subprocess.Popen(
+        argv,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = child.communicate(timeout=timeout_s)
+        returncode: int | None = child.returncode
+    except subprocess.TimeoutExpired:
+        _kill_group(child.pid)
+        stdout, stderr = child.communicate()
+        returncode = None
+    finally:
+        _kill_group(child.pid)
+    return Done(returncode, stdout, stderr)
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL what is left of the process group ``pgid`` (none of it, after a clean run)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 class LocalRay:
