@@ -17,7 +17,10 @@ from torch.utils.data import Dataset
 
 import aioload
 
-pytestmark = pytest.mark.usefixtures("no_leaks")
+pytestmark = [
+    pytest.mark.usefixtures("no_leaks"),
+    pytest.mark.own_worker_method("every test here says which worker methods it runs"),
+]
 
 
 def _shared(path: str) -> bool:

@@ -13,7 +13,10 @@ from torch.utils.data import Dataset, IterableDataset
 
 import aioload
 
-pytestmark = pytest.mark.usefixtures("no_leaks")
+pytestmark = [
+    pytest.mark.usefixtures("no_leaks"),
+    pytest.mark.own_worker_method('every test here passes worker_method="auto" itself'),
+]
 
 
 class Tensors(Dataset[torch.Tensor]):
