@@ -58,8 +58,8 @@ class ChannelClosed(Exception):
 
 # The classes a frame names (``aioload._wire.messages.Reply``, ``torch.float32``...), looked up once
 # per process. pickle's own lookup goes through ``__import__`` for every global of every frame:
-# for a small batch's answer, which names three, that was up to half of its unpickling (3-8 us
-# per answer against 2.5-4 us with this cache, in warm loops on the shared 2-core machine).
+# for a small batch's answer, which names three, that was up to half of its unpickling
+# (docs/benchmark-notes.md, "The wire's small costs").
 _classes: dict[tuple[str, str], Any] = {}
 
 

@@ -138,7 +138,7 @@ class ValueBatch(NamedTuple):
 class Failure(NamedTuple):
     """The task raised (or the worker's setup did); ``error`` carries type and traceback."""
 
-    error: Any  # _worker.main.RemoteError
+    error: Any  # _worker.step.RemoteError
 
 
 class StreamEnded(NamedTuple):
@@ -177,7 +177,7 @@ class Batch(NamedTuple):
 class Failed(NamedTuple):
     """A worker's error: re-raised in the consumer with the worker's traceback."""
 
-    error: Any  # _worker.main.RemoteError
+    error: Any  # _worker.step.RemoteError
 
 
 class Raised(NamedTuple):
@@ -253,9 +253,10 @@ class IndexRange:
     over a ``SequentialSampler`` (``shuffle=False``, the loader's default), as its two bounds.
 
     torch's batch sampler makes a list of ``batch_size`` int objects for every batch, and a
-    worker's task carries them pickled: on the tiny workload (256 indices) about 4 us to make
-    the list and 3 to pickle it, of the parent's ~100 us per batch, where the bounds cost well
-    under one (``_engine.resume.batches_of`` makes these; ``_wire.packed`` sends them as two integers).
+    worker's task carries them pickled: for small samples, a visible part of the parent's
+    work per batch, where the bounds cost next to nothing (docs/benchmark-notes.md, "The
+    wire's small costs"; ``_engine.resume.batches_of`` makes these; ``_wire.packed`` sends
+    them as two integers).
     A fetcher turns one back into the list torch's would have had (``as_list``) before the
     dataset or anything a user wrote sees it, so no dataset, collate or error message can tell
     the difference; a batch sampler of the user's that yields its own ``range`` objects is

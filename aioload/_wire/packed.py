@@ -6,9 +6,9 @@ that reply is always the same shape: a :class:`~aioload._wire.messages.SlabBatch
 contiguous tensors in the slab. The parent reads one per batch, and unpickling it was about a
 seventh of the parent's CPU per batch on the ``tiny`` workload (py-spy: ``load_frame`` and the
 class lookups it makes, ``Reply``, ``SlabBatch`` and a ``torch.dtype`` by name). Unpacking the
-same fields with one ``struct`` call and building the named tuples directly takes half as
-long (1.2 against 2.7 us in a warm loop), and less of the code a cold cache must fetch after
-each wake-up.
+same fields with one ``struct`` call and building the named tuples directly takes about half
+as long, and less of the code a cold cache must fetch after each wake-up
+(docs/benchmark-notes.md, "The wire's small costs").
 
 Anything else (a numpy leaf, a strided leaf, a dtype not in ``_DTYPES``, a stream position,
 slabs the worker dropped, any other result) is pickled as before: the packed form is an
@@ -20,8 +20,7 @@ a megabyte or more a :class:`~aioload._wire.messages.FreeSlabs` when the consume
 indices can be anything a sampler yields (ints, numpy ints, keys of any kind), so they stay
 pickled, but as a plain tuple of the task's fields after ``TASK_MARKER``: pickling the named
 tuple itself adds a reference to its class (written by the parent, looked up by the worker) and
-a call of its ``__getnewargs__``, 4.3 against 2.9 us to encode 256 indices and 6.2 against
-5.1 us to decode them, in warm loops. A sequential sampler's batch is an
+a call of its ``__getnewargs__`` to both ends' work. A sequential sampler's batch is an
 :class:`~aioload._wire.messages.IndexRange`: its task is integers only, ``RANGE_TASK_MARKER`` and one
 ``struct``. Slab ids are ints: ``FREE_MARKER`` and a ``struct`` array of them.
 """

@@ -1,4 +1,5 @@
-"""Shared-memory slabs and the encoding of nested batches into them.
+"""Shared-memory slabs: a worker's pool of them, the arena a batch is collated into, and the
+parent's mappings.
 
 A *slab* is an anonymous memfd that a worker creates once and reuses for many batches. Its
 descriptor crosses to the parent once, as SCM_RIGHTS data on the frame of the first batch that
@@ -11,9 +12,8 @@ uses it; both sides map it and close the descriptor at once. Three things follow
   keeps thousands of batches does not run out of descriptors.
 * Steady state is a reused, already-faulted mapping: no shm_open, mmap or page fault per batch.
 
-A batch travels as a pickle whose array leaves (tensors, numpy arrays) are replaced by
-persistent ids pointing into the slab. Everything else in the batch is pickled as usual, so any
-structure that pickles still works; only its arrays go faster.
+A batch travels as a pickle whose array leaves (tensors, numpy arrays) point into its slab
+(``_wire.leaves``); ``_wire.encoding`` puts a worker's batch there.
 
 Lifetime. In the parent, every batch gets its own *lease*: a fresh ctypes array over the used part
 of the slab. All tensors and arrays of the batch are made from the lease (each tensor with a
@@ -27,33 +27,29 @@ new one (the pool grows) rather than waiting.
 from __future__ import annotations
 
 import ctypes
-import io
 import mmap
 import operator
 import os
-import pickle
 import sys
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
-from .channel import CachedUnpickler
+from .leaves import TORCH_DTYPES, LeafDesc, empty_leaf, leaf_view, load_batch
 
 __all__ = [
     "ALIGN",
     "EAGER_FREE_BYTES",
-    "EncodedBatch",
-    "LeafDesc",
+    "LazyArena",
     "SlabMappings",
     "WorkerSlabPool",
-    "dumps_by_value",
-    "encode_batch",
+    "collating_into",
+    "collating_privately",
     "slab_collate",
     "stack_tensors_privately",
 ]
@@ -91,40 +87,6 @@ _RECENT_BATCHES = 4
 _FIT_BELOW = 4  # a batch that uses less than 1/_FIT_BELOW of its slab...
 _FIT_MIN_SAVING = 1 << 18  # ...and leaves at least this much of it unused
 _MADV_REMOVE = getattr(mmap, "MADV_REMOVE", 9)
-
-# Array dtypes that can be reinterpreted from raw bytes. Anything else is pickled.
-_TORCH_DTYPES: frozenset[torch.dtype] = frozenset(
-    d
-    for d in (
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.uint16,
-        torch.uint32,
-        torch.uint64,
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.complex32,
-        torch.complex64,
-        torch.complex128,
-        getattr(torch, "float8_e4m3fn", None),
-        getattr(torch, "float8_e5m2", None),
-        getattr(torch, "float8_e4m3fnuz", None),
-        getattr(torch, "float8_e5m2fnuz", None),
-        getattr(torch, "float8_e8m0fnu", None),
-    )
-    if d is not None
-)
-
-_STRIDED = torch.strided
-
-# ("t", offset, dtype, shape, strides-or-None) for tensors; ("n", ...) for numpy arrays.
-LeafDesc = tuple[str, int, Any, tuple[int, ...], tuple[int, ...] | None]
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,7 +220,7 @@ class _Arena:
     def __init__(self, slab: _Slab, *, made_for_batch: bool = False) -> None:
         self.slab = slab
         self.used = 0
-        # Made by a _LazyArena for this batch, so sized by its first tensor only: if the
+        # Made by a LazyArena for this batch, so sized by its first tensor only: if the
         # batch spills out of it, it is dropped rather than kept idle (see encode_batch).
         self.made_for_batch = made_for_batch
 
@@ -277,7 +239,7 @@ class _Arena:
         return self.slab.ptr <= ptr < self.slab.ptr + self.slab.capacity
 
 
-class _LazyArena:
+class LazyArena:
     """The arena of a batch being collated, before it has a slab: the slab is taken when the
     collate first stacks a tensor into it, not when the task starts.
 
@@ -293,17 +255,21 @@ class _LazyArena:
     first tensor stacked, with room to spare for the batch's small leaves, and that tensor is
     stacked straight into it: without it the first batch would be stacked into fresh private
     memory (a page fault per page), and then copied into a new slab whose pages are all
-    faulted in as well, about 16 ms instead of 9 for a 9 MiB image batch, paid by every
-    worker's first batch of every pass. A batch with several large leaves may still not fit;
+    faulted in as well: nearly twice the time, paid by every worker's first batch of every
+    pass. A batch with several large leaves may still not fit;
     encode_batch then moves it to a slab of the right size, as for any batch that outgrows
     its arena, and drops this one.
     """
 
-    __slots__ = ("arena", "pool")
+    __slots__ = ("arena", "pool", "stacked")
 
     def __init__(self, pool: WorkerSlabPool) -> None:
         self.pool = pool
         self.arena: _Arena | None = None
+        # The batch's leaves already stacked in its slab as its samples were fetched
+        # (``_worker.stacking.fetch_stacking``): by the id of the first row, the rows (what
+        # each sample now holds there) and the stacked tensor they are views of.
+        self.stacked: dict[int, tuple[tuple[torch.Tensor, ...], torch.Tensor]] = {}
 
     def start(self, nbytes: int) -> _Arena | None:
         """The arena, its slab taken for ``nbytes`` on first use; None without shared memory
@@ -319,8 +285,45 @@ class _LazyArena:
             self.arena = _Arena(slab, made_for_batch=sized_by_this_tensor)
         return self.arena
 
+    def stack(
+        self,
+        batch: list[torch.Tensor],
+        *,
+        collate_fn_map: dict[Any, Callable[..., Any]] | None = None,
+    ) -> torch.Tensor:
+        """torch's tensor collate, stacking straight into this arena's slab so each sample is
+        copied once (NOTE [the arena of a collate]).
 
-def settled_arena(arena: _LazyArena | None) -> _Arena | None:
+        torch's own ``collate_tensor_fn`` would, inside a worker, put every batch in a fresh
+        shared memory segment; this is the step aioload replaces.
+        """
+        elem = batch[0]
+        stacked = self.stacked
+        if stacked:
+            copied = stacked.pop(id(elem), None)
+            if copied is not None:
+                rows, whole = copied
+                if len(batch) == len(rows) and all(map(operator.is_, batch, rows)):
+                    return whole  # its samples were copied into it as they came
+        if elem.is_nested or elem.layout != torch.strided:
+            return _stack_privately(batch, collate_fn_map=collate_fn_map)
+        nbytes = elem.numel() * len(batch) * elem.element_size()
+        if (
+            nbytes >= _ARENA_MIN_BYTES
+            and elem.dtype in TORCH_DTYPES
+            and elem.is_cpu
+            and _stackable_alike(batch, elem.dtype)
+        ):
+            shape = (len(batch), *elem.shape)
+            started = self.start(nbytes)
+            offset = None if started is None else started.alloc(nbytes)
+            if started is not None and offset is not None:
+                out = started.view(offset, nbytes, elem.dtype).view(shape)
+                return torch.stack(batch, 0, out=out)
+        return torch.stack(batch, 0)
+
+
+def settled_arena(arena: LazyArena | None) -> _Arena | None:
     """The arena a collate used, if it took a slab."""
     return None if arena is None else arena.arena
 
@@ -409,8 +412,8 @@ class WorkerSlabPool:
             in_use = sum(1 for slab in self.slabs.values() if slab.capacity >= min_bytes)
             if in_use >= 2:
                 # Long enough for the worker behind to finish the batch it is on, even when
-                # it lost its core for a while (three processes share two cores in the
-                # benchmark): with one batch's time, a wait in four hundred was in vain.
+                # it lost its core for a while (more processes than cores): one batch's time
+                # was too short for such a worker, and the wait then in vain.
                 patience = min(2 * self.batch_s + 0.001, _FREE_PATIENCE_MAX_S)
         if not patience:
             self.take_in_frees(0.0)
@@ -456,52 +459,30 @@ class WorkerSlabPool:
         dropped, self.dropped = self.dropped, []
         return dropped
 
-    def arena(self) -> _LazyArena:
-        return _LazyArena(self)
+    def arena(self) -> LazyArena:
+        return LazyArena(self)
 
 
-# The arena of the batch being collated in this worker, if any. Only the worker's main thread
-# collates, so a module global is enough.
-_current_arena: _LazyArena | None = None
-# The batch's leaves already stacked in its slab as its samples were fetched
-# (``_worker.stacking.fetch_stacking``): by the id of the first row, the rows (what each sample now
-# holds there) and the stacked tensor they are views of. Emptied after every collate.
-stacked_leaves: dict[int, tuple[tuple[torch.Tensor, ...], torch.Tensor]] = {}
+# NOTE [the arena of a collate]. aioload passes a batch's arena as an argument wherever it
+# calls: ``WorkerStep.finish`` to the fetcher, the fetcher to ``_worker.stacking``. torch's
+# collate cannot take one: it calls the tensor collate through its ``collate_fn_map``, with
+# torch's own signature, from aioload's ``slab_collate`` and from any ``default_collate`` a
+# user's ``collate_fn`` calls. So for the length of one collate, ``collating_into`` points the
+# tensor entry of those two maps at the arena's ``stack``, and back at ``_stack_privately``
+# after it: the arena is then found where torch's collate looks its functions up, and
+# nowhere else. Only a worker process's main thread collates into slabs (thread workers and
+# the calling process have no slabs), so nothing else sees the maps while they point there.
 
 
-def _collate_tensor_into_slab(
+def _stack_privately(
     batch: list[torch.Tensor], *, collate_fn_map: dict[Any, Callable[..., Any]] | None = None
 ) -> torch.Tensor:
-    """torch's tensor collate, stacking straight into the slab so each sample is copied once.
-
-    torch's own ``collate_tensor_fn`` would, inside a worker, put every batch in a fresh shared
-    memory segment; this is the step aioload replaces.
-    """
+    """torch's tensor collate, as it stacks outside a worker: into private memory (see
+    ``stack_tensors_privately``)."""
     elem = batch[0]
-    if stacked_leaves:
-        copied = stacked_leaves.pop(id(elem), None)
-        if copied is not None:
-            rows, whole = copied
-            if len(batch) == len(rows) and all(map(operator.is_, batch, rows)):
-                return whole  # its samples were copied into it as they came
     if elem.is_nested or elem.layout != torch.strided:
         stacked: torch.Tensor = collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
         return stacked  # (torch raises its own error for these first)
-    arena = _current_arena
-    nbytes = elem.numel() * len(batch) * elem.element_size()
-    if (
-        arena is not None
-        and nbytes >= _ARENA_MIN_BYTES
-        and elem.dtype in _TORCH_DTYPES
-        and elem.is_cpu
-        and _stackable_alike(batch, elem.dtype)
-    ):
-        shape = (len(batch), *elem.shape)
-        started = arena.start(nbytes)
-        offset = None if started is None else started.alloc(nbytes)
-        if started is not None and offset is not None:
-            out = started.view(offset, nbytes, elem.dtype).view(shape)
-            return torch.stack(batch, 0, out=out)
     return torch.stack(batch, 0)
 
 
@@ -521,13 +502,34 @@ def _stackable_alike(batch: list[torch.Tensor], dtype: torch.dtype) -> bool:
 
 _SLAB_COLLATE_MAP: dict[Any, Callable[..., Any]] = {
     **default_collate_fn_map,
-    torch.Tensor: _collate_tensor_into_slab,
+    torch.Tensor: _stack_privately,
 }
 
 
 def slab_collate(batch: Any) -> Any:
-    """``default_collate`` with tensors stacked into the current slab."""
+    """``default_collate`` with tensors stacked into the batch's slab, where it has one
+    (``collating_into``), and privately elsewhere."""
     return collate(batch, collate_fn_map=_SLAB_COLLATE_MAP)
+
+
+def collating_into(arena: LazyArena | None) -> None:
+    """Point the tensor collate of ``slab_collate`` and of ``default_collate`` at ``arena``
+    for the collate about to run; ``None`` afterwards (NOTE [the arena of a collate])."""
+    stack = _stack_privately if arena is None else arena.stack
+    _SLAB_COLLATE_MAP[torch.Tensor] = stack
+    # A user's ``default_collate`` too, where this process is a worker whose map points at
+    # aioload's (``stack_tensors_privately``); never where the map is the user's.
+    current = default_collate_fn_map.get(torch.Tensor)
+    if current is _stack_privately or getattr(current, "__func__", None) is LazyArena.stack:
+        default_collate_fn_map[torch.Tensor] = stack
+
+
+def collating_privately() -> LazyArena | None:
+    """Point the tensor collate back at private memory for a collate whose batch is thrown
+    away; returns the arena it pointed at, for ``collating_into`` afterwards."""
+    arena: LazyArena | None = getattr(_SLAB_COLLATE_MAP[torch.Tensor], "__self__", None)
+    collating_into(None)
+    return arena
 
 
 def stack_tensors_privately() -> None:
@@ -546,264 +548,12 @@ def stack_tensors_privately() -> None:
     ``default_collate_fn_map``, which this points at aioload's collate (the dict is looked up
     at each call), so they too are stacked straight into the batch's slab. Run only in
     processes that are aioload's workers: the parent's map is the user's."""
-    default_collate_fn_map[torch.Tensor] = _collate_tensor_into_slab
-
-
-def _slab_tensor(obj: torch.Tensor) -> bool:
-    """Whether a plain tensor travels in the slab (else it is pickled with the batch)."""
-    # (``is_cpu`` and an identity test: ``obj.device`` would make a device object, and layouts
-    # are singletons. This runs for every leaf of every batch.)
-    return bool(
-        obj.is_cpu
-        and obj.layout is _STRIDED
-        and obj.dtype in _TORCH_DTYPES
-        and not obj.requires_grad
-        and not obj.is_quantized
-        and not obj.is_nested
-    )
-
-
-class _LeafCollector(pickle.Pickler):
-    """Pickles a batch with its array leaves taken out (they go into the slab)."""
-
-    def __init__(self, file: io.BytesIO) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.leaves: list[torch.Tensor | np.ndarray[Any, Any]] = []
-        self._seen: dict[int, int] = {}
-
-    def persistent_id(self, obj: Any) -> Any:
-        kind = type(obj)
-        if kind is torch.Tensor:
-            if not _slab_tensor(obj):
-                return None
-        elif kind is np.ndarray:
-            if obj.dtype.hasobject:
-                return None
-        else:
-            return None
-        key = id(obj)
-        index = self._seen.get(key)
-        if index is None:
-            index = self._seen[key] = len(self.leaves)
-            self.leaves.append(obj)
-        return index
-
-
-def _collect_leaves(batch: Any) -> tuple[bytes, list[torch.Tensor | np.ndarray[Any, Any]]]:
-    """The batch pickled with its array leaves taken out, and those leaves."""
-    if type(batch) is torch.Tensor and _slab_tensor(batch):
-        # A lone tensor (what default_collate makes of tensor samples): its pickle is always
-        # the same few bytes, so no pickler is made for it.
-        return _LONE_LEAF_PAYLOAD, [batch]
-    buf = io.BytesIO()
-    pickler = _LeafCollector(buf)
-    pickler.dump(batch)
-    return buf.getvalue(), pickler.leaves
-
-
-def _lone_leaf_payload() -> bytes:
-    buf = io.BytesIO()
-    _LeafCollector(buf).dump(torch.empty(0))
-    return buf.getvalue()
-
-
-# What _LeafCollector makes of any batch that is one slab tensor: a reference to leaf 0.
-_LONE_LEAF_PAYLOAD = _lone_leaf_payload()
-
-
-def _dense_strides(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    """Whether a strided layout covers exactly numel elements with no gaps or overlaps (any
-    permutation of a contiguous layout, e.g. channels_last)."""
-    dims = sorted((st, sz) for st, sz in zip(strides, shape, strict=True) if sz != 1)
-    expected = 1
-    for st, sz in dims:
-        if st != expected:
-            return False
-        expected *= sz
-    return True
-
-
-class EncodedBatch:
-    """What crosses the pipe for one batch (the array bytes are already in the slab)."""
-
-    __slots__ = ("leaves", "new_slab", "payload", "slab", "used")
-
-    def __init__(self) -> None:
-        self.payload = b""
-        self.leaves: list[LeafDesc] = []
-        self.slab: _Slab | None = None
-        self.new_slab = False
-        self.used = 0
-
-
-def encode_batch(batch: Any, pool: WorkerSlabPool, arena: _Arena | None) -> EncodedBatch:
-    """Move the array leaves of ``batch`` into a slab and pickle the rest.
-
-    Leaves that the collate already stacked into ``arena`` stay where they are; others are
-    copied once. If the arena's slab is too small, every leaf moves to a bigger slab and the
-    pool remembers the size for the next batch, so the steady state copies each sample once.
-    """
-    encoded = EncodedBatch()
-    encoded.payload, leaves = _collect_leaves(batch)
-
-    # (leaf, its shape, bytes, whether it is in the arena already, strides or None)
-    prepared: list[tuple[Any, tuple[int, ...], int, bool, tuple[int, ...] | None]] = []
-    extra = 0
-    total = 0
-    any_in_arena = False
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            if leaf.is_conj() or leaf.is_neg():
-                leaf = leaf.resolve_conj().resolve_neg()
-            shape: tuple[int, ...] = tuple(leaf.shape)
-            if leaf.is_contiguous():
-                strides: tuple[int, ...] | None = None
-            elif _dense_strides(shape, tuple(leaf.stride())):
-                strides = tuple(leaf.stride())
-            else:
-                leaf = leaf.contiguous()
-                strides = None
-            nbytes = leaf.nbytes
-            in_arena = arena is not None and strides is None and nbytes > 0 and arena.holds(leaf)
-        else:
-            shape = leaf.shape
-            if leaf.flags.c_contiguous:
-                strides = None
-            elif (
-                leaf.itemsize
-                and all(s % leaf.itemsize == 0 for s in leaf.strides)
-                and _dense_strides(shape, tuple(s // leaf.itemsize for s in leaf.strides))
-            ):
-                strides = tuple(leaf.strides)
-            else:
-                leaf = np.ascontiguousarray(leaf)
-                strides = None
-            nbytes = leaf.nbytes
-            in_arena = False
-        prepared.append((leaf, shape, nbytes, in_arena, strides))
-        rounded = _round_up(nbytes, ALIGN)
-        total += rounded
-        if in_arena:
-            any_in_arena = True
-        else:
-            extra += rounded
-
-    if total == 0:
-        if arena is not None:
-            pool.release(arena.slab.id)
-        encoded.leaves = [
-            _describe(leaf, shape, 0, strides) for leaf, shape, _, _, strides in prepared
-        ]
-        return encoded
-
-    if arena is not None and _round_up(arena.used, ALIGN) + extra <= arena.slab.capacity:
-        target = arena
-    else:
-        # Acquire first: if that fails (no shared memory), the caller still owns the arena's
-        # slab and releases it exactly once.
-        target = _Arena(pool.acquire(total))
-        if arena is not None and arena.made_for_batch:
-            pool.discard(arena.slab.id)  # too small for this pool's batches: not kept idle
-        elif arena is not None:
-            pool.release(arena.slab.id)
-        if any_in_arena:
-            prepared = [
-                (leaf, shape, nbytes, False, strides)
-                for leaf, shape, nbytes, _, strides in prepared
-            ]
-
-    slab = target.slab
-    described = encoded.leaves
-    for leaf, shape, nbytes, in_arena, strides in prepared:
-        if in_arena:
-            offset = leaf.data_ptr() - slab.ptr
-        else:
-            got = target.alloc(nbytes)
-            assert got is not None, "slab sized for the batch ran out of room"
-            offset = got
-            if nbytes and strides is None and isinstance(leaf, torch.Tensor):
-                # A contiguous tensor (made one above): one memmove, where views of the slab
-                # and copy_ would make three tensors first. Bytes are bytes: the dtype is the
-                # same.
-                ctypes.memmove(slab.ptr + offset, leaf.data_ptr(), nbytes)
-            else:
-                _copy_into(target, offset, nbytes, leaf, strides)
-        described.append(_describe(leaf, shape, offset, strides))
-
-    pool.batch_made(slab, target.used)
-    encoded.slab = slab
-    encoded.used = target.used
-    encoded.new_slab = slab.fd is not None
-    return encoded
-
-
-def _describe(
-    leaf: Any, shape: tuple[int, ...], offset: int, strides: tuple[int, ...] | None
-) -> LeafDesc:
-    return ("t" if isinstance(leaf, torch.Tensor) else "n", offset, leaf.dtype, shape, strides)
-
-
-def _copy_into(
-    arena: _Arena, offset: int, nbytes: int, leaf: Any, strides: tuple[int, ...] | None
-) -> None:
-    if nbytes == 0:
-        return
-    raw = arena.slab.tensor[offset : offset + nbytes]
-    if isinstance(leaf, torch.Tensor):
-        dst = raw.view(leaf.dtype)
-        dst = dst.as_strided(leaf.shape, strides) if strides is not None else dst.view(leaf.shape)
-        dst.copy_(leaf)
-    else:
-        flat = raw.numpy().view(leaf.dtype)
-        if strides is not None:
-            dst_np = np.lib.stride_tricks.as_strided(flat, leaf.shape, strides)
-        else:
-            dst_np = flat.reshape(leaf.shape)
-        np.copyto(dst_np, leaf, casting="no")
-
-
-def _tensor_from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    if not raw:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
-
-
-class _ByValuePickler(pickle.Pickler):
-    """Pickles a batch whole, for when no shared memory can be had. torch's own tensor pickling
-    cannot load some dtypes the slabs carry (complex32, float8, uint16/32/64), so those tensors
-    travel as raw bytes; everything else pickles as usual."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if (
-            type(obj) is torch.Tensor
-            and obj.device.type == "cpu"
-            and obj.layout == torch.strided
-            and obj.dtype in _TORCH_DTYPES
-            and not obj.requires_grad
-        ):
-            flat = obj.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
-            return _tensor_from_bytes, (flat.numpy().tobytes(), obj.dtype, tuple(obj.shape))
-        return NotImplemented
-
-
-def dumps_by_value(batch: Any) -> bytes:
-    buf = io.BytesIO()
-    _ByValuePickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(batch)
-    return buf.getvalue()
+    default_collate_fn_map[torch.Tensor] = _stack_privately
 
 
 # --------------------------------------------------------------------------------------------
 # Parent side
 # --------------------------------------------------------------------------------------------
-
-
-class _LeafLoader(CachedUnpickler):
-    def __init__(self, file: io.BytesIO, leaves: list[Any]) -> None:
-        super().__init__(file)
-        self.leaves = leaves
-
-    def persistent_load(self, pid: Any) -> Any:
-        return self.leaves[pid]
 
 
 # The weak references that watch live leases, kept here until their lease dies (a weak
@@ -873,42 +623,9 @@ class SlabMappings:
             # every batch.
             lease = (ctypes.c_ubyte * used).from_buffer(self.maps[slab_id])
             _on_death(lease, on_release, slab_id)
-            leaves = [_leaf_view(lease, desc) for desc in descs]
+            leaves = [leaf_view(lease, desc) for desc in descs]
             del lease
         else:
             # Every array leaf is empty: nothing was put in a slab.
-            leaves = [_empty_leaf(desc) for desc in descs]
-        if payload == _LONE_LEAF_PAYLOAD:
-            # The batch is its one tensor (what default_collate makes of tensor samples).
-            return leaves[0]
-        return _LeafLoader(io.BytesIO(payload), leaves).load()
-
-
-def _leaf_view(lease: ctypes.Array[ctypes.c_ubyte], desc: LeafDesc) -> Any:
-    """One array leaf of a batch: a view of ``lease`` (an empty leaf needs no memory)."""
-    kind, offset, dtype, shape, strides = desc
-    count = _numel(shape)
-    if count == 0:
-        return _empty_leaf(desc)
-    if kind == "t":
-        flat = torch.frombuffer(lease, dtype=dtype, count=count, offset=offset)
-        if strides is not None:
-            return flat.as_strided(shape, strides)
-        # (A 1-d leaf is already in shape; a view costs more than the frombuffer.)
-        return flat if len(shape) == 1 else flat.view(shape)
-    flat_np = np.frombuffer(cast(Any, lease), dtype=dtype, count=count, offset=offset)
-    if strides is not None:
-        return np.lib.stride_tricks.as_strided(flat_np, shape, strides)
-    return flat_np.reshape(shape)
-
-
-def _empty_leaf(desc: LeafDesc) -> Any:
-    kind, _offset, dtype, shape, _strides = desc
-    return torch.empty(shape, dtype=dtype) if kind == "t" else np.empty(shape, dtype=dtype)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+            leaves = [empty_leaf(desc) for desc in descs]
+        return load_batch(payload, leaves)

@@ -33,6 +33,7 @@ import anyio
 from torch.utils.data import IterableDataset
 
 from .._wire.messages import IndexRange, PassPlan
+from .._wire.slabs import LazyArena
 
 # Detection lives in its own small module: the loader and every worker need it, and neither
 # should import anyio (this module's) to ask whether a dataset is async at all.
@@ -195,7 +196,9 @@ class AsyncFetcher(BaseFetcher):
     async def fetch(self, indices: Any) -> Any:
         return self.collate(await self.gather(indices))
 
-    def collate(self, samples: Any) -> Any:
+    def collate(self, samples: Any, arena: LazyArena | None = None) -> Any:
+        """The batch of ``samples``. (Its collate finds ``arena`` where torch's collate looks
+        it up: NOTE [the arena of a collate] in ``_wire.slabs``.)"""
         if type(samples) is Gathered:
             return self.collate_gathered(samples)
         return self.collate_fn(samples)

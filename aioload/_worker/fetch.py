@@ -441,7 +441,7 @@ class BaseFetcher:
         survivors are collated again, and a failure then is the collate's own (raised)."""
         blamed: list[tuple[int, Any, Exception]] = []
         # Not into the worker's shared-memory slab: these one-sample batches are thrown away.
-        arena, _transport._current_arena = _transport._current_arena, None
+        arena = _transport.collating_privately()
         try:
             for position, (key, sample) in enumerate(zip(keys, samples, strict=True)):
                 try:
@@ -449,7 +449,7 @@ class BaseFetcher:
                 except Exception as exc:
                     blamed.append((position, key, exc))
         finally:
-            _transport._current_arena = arena
+            _transport.collating_into(arena)
         if not blamed:
             raise error
         for _, key, failure in blamed:
@@ -540,7 +540,11 @@ class Fetcher(BaseFetcher):
                     if saved is not None:
                         saved.install()
 
-    def fetch(self, indices: Any) -> Any:
+    def fetch(self, indices: Any, arena: _transport.LazyArena | None = None) -> Any:
+        """The batch of ``indices``; with ``arena`` (a worker with shared memory), the large
+        tensors of a map-style batch's samples are copied into its slab as they come
+        (``_worker.stacking``). The collate finds the arena where torch's collate looks
+        it up (NOTE [the arena of a collate] in ``_wire.slabs``)."""
         if type(indices) is IndexRange:
             # Where each index reaches the dataset on its own, as an int, a range gives the
             # same ints one at a time, without a list of them all kept for the batch.
@@ -550,18 +554,15 @@ class Fetcher(BaseFetcher):
         saved = RngStates() if self.restore_rng else None
         try:
             if self.policy_active:
-                return self.collate_gathered(self._gather_map(indices))
-            return self._fetch_map(indices)
+                return self.collate_gathered(self._gather_map(indices, arena))
+            return self._fetch_map(indices, arena)
         finally:
-            # (Leaves copied into the slab as they came are taken by this batch's collate, or
-            # by none: a later batch must not find them.)
-            _transport.stacked_leaves.clear()
             if saved is not None:
                 saved.install()
 
     # -- map-style ---------------------------------------------------------------------------
 
-    def _fetch_map(self, indices: Any) -> Any:
+    def _fetch_map(self, indices: Any, arena: _transport.LazyArena | None) -> Any:
         dataset = self.dataset
         if self.auto_collation:
             getitems = self.getitems
@@ -571,9 +572,9 @@ class Fetcher(BaseFetcher):
                     # batch's composition does not depend on the worker either).
                     self._seed(indices[0] if len(indices) else 0)
                 data = getitems(indices)
-            elif self.stacking is not None and _transport._current_arena is not None:
+            elif self.stacking is not None and arena is not None:
                 fetch = self._seeded_item if self.seeded else dataset.__getitem__
-                data = self.stacking(fetch, indices, _transport._current_arena)
+                data = self.stacking(fetch, indices, arena)
             elif self.seeded:
                 data = []
                 for index in indices:
@@ -602,7 +603,7 @@ class Fetcher(BaseFetcher):
         self._seed(index)
         return self.dataset[index]
 
-    def _gather_map(self, indices: Any) -> Gathered:
+    def _gather_map(self, indices: Any, arena: _transport.LazyArena | None) -> Gathered:
         """The task's samples under the policy, each on its own (retried, then raised or
         skipped). A dataset's ``__getitems__`` is tried first; if it fails, the batch's
         samples are fetched one by one with ``dataset[index]``, so only the bad ones are lost.
@@ -616,8 +617,8 @@ class Fetcher(BaseFetcher):
                 return gathered_batch(keys, getitems(indices))
             except Exception:
                 pass  # one by one, below
-        if self.stacking is not None and _transport._current_arena is not None:
-            return self._gather_stacking(keys, _transport._current_arena)
+        if self.stacking is not None and arena is not None:
+            return self._gather_stacking(keys, arena)
         # One try around the whole loop, not one per sample: when nothing fails (the usual
         # case), this costs what torch's own list comprehension does. A failure leaves the
         # loop with ``key`` naming the sample; it is retried or skipped, and the loop goes on
@@ -644,7 +645,7 @@ class Fetcher(BaseFetcher):
                 append(sample)
         return Gathered(keys, samples, failed=failed)
 
-    def _gather_stacking(self, keys: list[Any], arena: _transport._LazyArena) -> Gathered:
+    def _gather_stacking(self, keys: list[Any], arena: _transport.LazyArena) -> Gathered:
         """``_gather_map``'s loop, each sample's large tensors copied into the slab as it
         comes (``_worker.stacking``); a skipped sample takes no row."""
         dataset = self.dataset

@@ -8,9 +8,9 @@ threshold to twice that, so later samples come from the heap. When a whole batch
 freed, they coalesce into one free block at the top of the heap, far above the trim threshold,
 and glibc gives it back to the kernel, unless some small allocation made after them happens to
 sit above it and pins it. Where nothing pins it, every batch faults all of its samples' pages
-in again: on the image workload (64 samples of 150 KiB) that was 2,200 page faults and about
-4 ms of kernel time per batch, four times the batch's whole cost, in about one run in four,
-decided by the heap's layout when the worker forked.
+in again, in kernel time that can exceed the batch's whole cost; and whether anything pins it
+is decided by the heap's layout when the worker forked, so it differs from run to run
+(docs/benchmark-notes.md, "A worker's heap").
 
 Pinning the thresholds makes the good case the only one: allocations up to 32 MiB come from the
 heap (where glibc's own adjustment ends up, at its ceiling), and freed memory at the top of

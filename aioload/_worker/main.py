@@ -1,13 +1,10 @@
-"""Code that runs inside a worker: the fetch step every backend shares, and the process loop.
+"""A local worker process: the loop over its socket around one ``WorkerStep``.
 
-:class:`WorkerStep` is what a worker does with a task, wherever it runs: its setup (seeds,
-``get_worker_info()``, ``worker_init_fn``), the pass's fetcher, one fetch and collate (sync or
-async), and one way to answer an error. A Ray actor runs the same step.
-
-:class:`_ProcessWorker` is the loop of a local worker process around that step: it reads
-``_wire.messages.Task``/``Reset``/``FreeSlabs`` from its socket, puts each batch in a shared-memory
-slab and answers with one ``_wire.messages.Reply`` per task, which keeps the parent's bookkeeping
-simple: a task is in flight until its answer arrives or its worker dies.
+:class:`_ProcessWorker` reads ``_wire.messages.Task``/``Reset``/``FreeSlabs`` from its socket,
+runs each task through the :class:`~aioload._worker.step.WorkerStep` every backend's workers
+share, puts each batch in a shared-memory slab (``_wire.encoding``) and answers with one
+``_wire.messages.Reply`` per task, which keeps the parent's bookkeeping simple: a task is in
+flight until its answer arrives or its worker dies.
 
 The worker never outlives its parent. It waits for work in ``poll`` with a one-second bound; a
 closed socket (the parent exited, was killed, or shut us down) ends it at once, and a changed
@@ -19,34 +16,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import gc
-import importlib.util
-import inspect
 import math
 import os
-import pickle
-import random
 import select
 import signal
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
-from importlib.machinery import ModuleSpec
-from types import ModuleType, TracebackType
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch._utils import ExceptionWrapper, KeyErrorMessage
-from torch.utils.data._utils.worker import _generate_state
 
 from .._wire import slabs as _transport
 from .._wire.channel import ChannelClosed, WorkerChannel
+from .._wire.encoding import encode_batch
+from .._wire.leaves import dumps_by_value
 from .._wire.messages import (
     Failure,
     FreeSlabs,
-    PassPlan,
     PickledBatch,
     Produced,
     Reply,
@@ -54,25 +42,22 @@ from .._wire.messages import (
     SetConcurrency,
     SlabBatch,
     StreamEnded,
-    StreamState,
     Task,
     ToWorker,
 )
 from .._wire.packed import pack_reply, unpack_to_worker
-from ..errors import WorkerError
 from . import stacks as _stacks
-from .async_detect import has_async_context, is_async_dataset
-from .datapipes import is_datapipe, reseed, shard_in_worker
-from .fetch import Fetcher, FetchSpec, SamplePolicy, is_stateful
 from .heap import HeapPolicy
-from .info import (
-    WorkerInfo,
-    _set_thread_worker_info,
-    _set_worker_info,
-    make_rng,
-    thread_worker_info,
-)
 from .parent import ParentWatch, watch_parent
+
+# (The step's names are imported from here by the backends: this module is the one a process
+# backend loads before it forks, and with it everything a worker runs.)
+from .seeding import _AfterImport as _AfterImport
+from .seeding import _seed_numpy as _seed_numpy
+from .step import RemoteError as RemoteError
+from .step import StepResult as StepResult
+from .step import WorkerConfig as WorkerConfig
+from .step import WorkerStep as WorkerStep
 
 if TYPE_CHECKING:
     import anyio.abc
@@ -86,193 +71,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "RemoteError",
+    "StepResult",
     "WorkerConfig",
     "WorkerStep",
     "worker_main",
 ]
 
 _PARENT_CHECK_S = 1.0
-
-
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_NO_INDEX: Any = object()
-
-
-def _failed_index(tb: TracebackType | None) -> Any:
-    """The index a failed fetch was for, where the dataset's own ``__getitem__`` raised (or
-    something it called): the argument of the first frame outside aioload that aioload's
-    fetch code called, when that frame is a ``__getitem__``. ``_NO_INDEX`` for any other
-    failure (a batched ``__getitems__``, a ``collate_fn``, ``worker_init_fn``)."""
-    called_from_aioload = False
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        ours = code.co_filename.startswith(_PACKAGE_DIR)
-        if called_from_aioload and not ours:
-            if code.co_name == "__getitem__" and code.co_argcount >= 2:
-                return tb.tb_frame.f_locals.get(code.co_varnames[1], _NO_INDEX)
-            return _NO_INDEX
-        called_from_aioload = ours
-        tb = tb.tb_next
-    return _NO_INDEX
-
-
-class RemoteError(ExceptionWrapper):
-    """An exception captured in a worker, re-raised in the consumer.
-
-    As torch does, the consumer gets the original exception type with the worker id and the
-    worker's traceback in its message. Where that type cannot be built from a message, torch
-    raises a bare RuntimeError; we raise WorkerError (a RuntimeError) with the same message.
-    """
-
-    def __init__(self, worker_id: int) -> None:
-        super().__init__(where=f"in DataLoader worker process {worker_id}")  # type: ignore[no-untyped-call]
-        self.worker_id = worker_id
-        self.from_init = False
-        # The sample whose fetch raised, named beside torch's message (its first lines are
-        # torch's, word for word, and its last is the exception's own).
-        index = _failed_index(sys.exc_info()[2])
-        if index is not _NO_INDEX:
-            head, _, frames = self.exc_msg.partition("\n")
-            self.exc_msg = f"{head}\n  (fetching the sample at index {index!r})\n{frames}"
-
-    def reraise(self) -> None:
-        exc_type: Any = self.exc_type
-        msg: str = f"Caught {exc_type.__name__} {self.where}.\nOriginal {self.exc_msg}"
-        if exc_type is KeyError:
-            msg = KeyErrorMessage(msg)
-        elif getattr(exc_type, "message", None):
-            raise exc_type(message=msg)
-        try:
-            exception = exc_type(msg)
-        except Exception:
-            raise WorkerError(msg, worker_id=self.worker_id) from None
-        try:
-            raise exception
-        finally:
-            # This frame is in the exception's traceback: holding the exception in a local
-            # would make a reference cycle, and keep the iterator (and its workers) alive
-            # until the garbage collector runs.
-            del exception
-
-
-class WorkerConfig(NamedTuple):
-    worker_id: int
-    num_workers: int
-    base_seed: int
-    generation: int
-    dataset_kind: int
-    auto_collation: bool
-    drop_last: bool
-    # (dataset, collate_fn, worker_init_fn): the objects themselves under fork, or their pickle,
-    # made once in the parent and shared by every worker, under spawn and forkserver.
-    payload: tuple[Any, Any, Any] | bytes
-    slab_collate: bool
-    max_idle_slabs: int
-    rank: int = 0
-    world_size: int = 1
-    # Samples an async dataset's worker fetches at once (DataLoader's worker_concurrency).
-    worker_concurrency: int = 1
-    # on_sample_error and sample_retries (a callable policy runs in this worker).
-    sample_policy: SamplePolicy | None = None
-
-
-def _seed(base_seed: int, worker_id: int) -> int:
-    # The same seeds torch's own workers use, so random augmentations match torch's loader.
-    seed = base_seed + worker_id
-    random.seed(seed)
-    if _accelerators_to_seed():
-        torch.manual_seed(seed)
-    else:
-        torch.default_generator.manual_seed(seed)
-    _seed_numpy(_generate_state(base_seed, worker_id))  # type: ignore[no-untyped-call]
-    return seed
-
-
-def _accelerators_to_seed() -> bool:
-    """Whether this torch could ever run on an accelerator in this process, so that
-    ``torch.manual_seed`` must seed it too.
-
-    torch's workers call ``torch.manual_seed``, which also seeds every accelerator backend. An
-    uninitialized one (CUDA, XPU, MTIA) defers its seeding: it keeps the seed and a formatted
-    stack trace of the call for when it starts. That costs a worker about 2 ms and 500
-    copy-on-write page faults of its start, on the path to the first batch, and in a torch
-    built without any accelerator it is for a backend that can never start: there, seeding
-    the CPU generator (all that call then does that can be observed) is enough. Anything
-    unsure, a custom device backend included, takes the full call."""
-    try:
-        return bool(
-            torch.cuda._is_compiled()
-            or torch.xpu._is_compiled()
-            or torch.mtia._is_compiled()
-            or torch.backends.mps.is_built()
-            or torch._C._get_privateuse1_backend_name() != "privateuseone"
-        )
-    except Exception:  # a torch without one of these: do as torch's workers do
-        return True
-
-
-def _seed_numpy(state: list[int]) -> None:
-    """Seed numpy's global RNG with ``state``, as torch's workers do, without importing
-    ``numpy.random`` only for that.
-
-    torch's workers import ``numpy.random`` to seed it: about 10 ms of a worker's start (before
-    its first batch) and 2-3 MiB of its memory, whether or not the dataset ever draws from it.
-    Where nothing in this process has imported it yet, nothing can have drawn from it either,
-    so the seed is applied the moment it is imported (by the dataset, ``worker_init_fn`` or a
-    library, through the import system in every case), before anyone can draw: every draw sees
-    the state torch's worker gives it.
-    """
-    numpy_random = sys.modules.get("numpy.random")
-    if numpy_random is not None:
-        numpy_random.seed(state)
-        return
-
-    def seed(module: ModuleType) -> None:
-        module.seed(state)
-
-    # A seeding not applied yet (numpy.random still not imported) is replaced, not stacked:
-    # two hooks for one import would each wrap the same loader's ``exec_module``.
-    for finder in sys.meta_path:
-        if isinstance(finder, _AfterImport) and finder.name == "numpy.random":
-            finder.then = seed
-            return
-    sys.meta_path.insert(0, _AfterImport("numpy.random", seed))
-
-
-class _AfterImport:
-    """A meta path finder that runs ``then(module)`` right after the module ``name`` has been
-    executed, before the import that loads it returns, and then leaves ``sys.meta_path``.
-
-    It finds nothing itself: the module is found by the finders behind it, and loaded by its own
-    loader, whose ``exec_module`` is wrapped on that one loader object for that one call (so the
-    module's ``__loader__`` and ``__spec__`` are what they would have been)."""
-
-    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
-        self.name = name
-        self.then = then
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> ModuleSpec | None:
-        if fullname != self.name:
-            return None
-        # Out first: the search below, and any later import of the name, skip this finder.
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        loader: Any = None if spec is None else spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        exec_module = loader.exec_module
-        then = self.then
-
-        def exec_then(module: ModuleType) -> None:
-            try:
-                exec_module(module)
-            finally:
-                del loader.exec_module
-            then(module)
-
-        loader.exec_module = exec_then
-        return spec
 
 
 def worker_main(config: WorkerConfig, sock: Any, parent: ParentWatch | None = None) -> None:
@@ -314,391 +119,6 @@ _FORKED_INSIDE = (
     "aioload: a process forked inside DataLoader worker {} returned into the worker's loop "
     "and exits here ({!r}); end a process you fork in a dataset with os._exit()."
 )
-
-
-StepResult = Produced | Failure | StreamEnded
-
-# Where a WorkerStep runs (see WorkerStep):
-# - "worker": a worker's own process (a local worker process, a Ray actor);
-# - "beside": a worker's step in the consumer's process, set up as that worker would be (its
-#   seeds, ``get_worker_info()``, ``worker_init_fn``), its globals swapped in around each step
-#   by whoever drives it (the fake backend, ``_backends.fake``);
-# - "caller": the calling process itself, as torch's ``num_workers=0`` (``InlineBackend``);
-# - "thread": a worker thread in the consumer's process (``_backends.thread``): set up as a
-#   worker (its seed, ``worker_init_fn``), but its ``get_worker_info()`` is its thread's own,
-#   with per-worker generators (``rng``), and the process-wide generators, which every thread
-#   shares, are not reseeded.
-Place = Literal["worker", "beside", "caller", "thread"]
-
-
-class WorkerStep:
-    """What one worker does with one task, whatever carries tasks to it (a process's socket,
-    or a Ray actor's method calls): the worker's setup (seeds, ``get_worker_info()``,
-    ``worker_init_fn``), the pass's fetcher, and the fetch and collate of one task, sync or
-    async. It knows nothing of transports: it returns a :class:`Produced`, a
-    :class:`Failure` or :class:`StreamEnded`, and its caller encodes and sends the answer.
-
-    With ``slabs`` (a process worker), a batch is collated straight into a shared-memory slab
-    when the collate is torch's default.
-
-    ``place="caller"`` is torch's ``num_workers=0``: the calling process fetches, with no
-    worker setup at all (no seeds, no ``get_worker_info()``, no ``worker_init_fn``, no
-    DataPipe sharding, which the loader does for that process), from ``config.payload``'s
-    objects themselves; a failure is answered with the exception itself, with its own
-    traceback, not wrapped; and a seeded fetch puts the caller's RNG states back.
-    Wherever the step shares the consumer's process (``"caller"``, ``"beside"``), the stream
-    points it answers with are deep copies: the dataset's state object may be the live one,
-    which later batches would change under the checkpoint (a worker's reply pickles it).
-    """
-
-    def __init__(
-        self,
-        config: WorkerConfig,
-        slabs: _transport.WorkerSlabPool | None,
-        *,
-        place: Place = "worker",
-    ) -> None:
-        self.config = config
-        self.slabs = slabs
-        self.in_caller = place == "caller"
-        self.in_thread = place == "thread"
-        self.copies_points = place != "worker"
-        self.iterable = config.dataset_kind == 1
-        # The newest pass announced to this worker; tasks of older ones are skipped.
-        self.generation = config.generation
-        self.fetcher: Any = None
-        # The worker's setup failed: the answer to every task it gets, so it reaches the
-        # consumer (and the pool is not reused).
-        self.init_error: Any = None
-        # An IterableDataset's __iter__ failed this pass (as ``error`` answers it).
-        self.fetch_error: Any = None
-        # This pass's IterableDataset stream has run dry.
-        self.iteration_end = False
-        # Where the dataset stood after the last task run (see ``point_of``).
-        self.point: StreamState | None = None
-        # A Stateful dataset's state when this worker began its first pass: where a kept
-        # worker that is rewound to an untouched dataset goes back to (``rewind``).
-        self.pristine: Any = None
-        self.began = False
-        # An async worker_init_fn's coroutine, awaited on the worker's loop before any task.
-        self.async_init: Any = None
-        self.dataset: Any = None
-        self.collate_fn: Any = None
-        # An async dataset's fetches at once (worker_concurrency; "auto" changes it).
-        self.concurrency = config.worker_concurrency
-
-        wid = config.worker_id
-        seed: int | None = None
-        if self.in_thread:
-            seed = config.base_seed + wid  # torch's worker seed; no process-wide seeding
-        elif not self.in_caller:
-            seed = _seed(config.base_seed, wid)
-        try:
-            payload = config.payload
-            objects = pickle.loads(payload) if isinstance(payload, bytes) else payload
-            self.dataset, collate_fn, init_fn = objects
-            if config.slab_collate:
-                collate_fn = _transport.slab_collate
-            self.collate_fn = collate_fn
-            if seed is not None:
-                self._set_up_worker(wid, seed, init_fn)
-        except Exception:
-            self.setup_failed()
-        self.is_async = self.init_error is None and is_async_dataset(
-            self.dataset, config.dataset_kind
-        )
-        if self.async_init is not None and not self.is_async:
-            # The loader refuses an async worker_init_fn with a sync dataset; one that returns
-            # an awaitable without being a coroutine function gets here. A sync worker has no
-            # loop to await it on.
-            close = getattr(self.async_init, "close", None)
-            if close is not None:
-                close()
-            self.async_init = None
-            try:
-                raise TypeError("worker_init_fn returned an awaitable, but the dataset is sync")
-            except TypeError:
-                self.setup_failed()
-
-    def _set_up_worker(self, wid: int, seed: int, init_fn: Any) -> None:
-        """What a worker does before its first task (not the calling process)."""
-        config = self.config
-        fields: dict[str, Any] = {
-            "id": wid,
-            "num_workers": config.num_workers,
-            "seed": seed,
-            "dataset": self.dataset,
-            "rank": config.rank,
-            "world_size": config.world_size,
-        }
-        if self.in_thread:
-            # This thread's own info, with generators of its own (seeded as torch seeds a
-            # process worker's globals); nothing process-wide changes.
-            rng = make_rng(seed, _generate_state(config.base_seed, wid))  # type: ignore[no-untyped-call]
-            _set_thread_worker_info(thread_worker_info(rng=rng, **fields))
-        else:
-            _set_worker_info(WorkerInfo(**fields))
-        if is_datapipe(self.dataset):
-            # As torch's workers do, before the user's worker_init_fn.
-            shard_in_worker(self.dataset, config.num_workers, wid, config.world_size, config.rank)
-        if init_fn is not None:
-            self.async_init = init_fn(wid)
-            if not inspect.isawaitable(self.async_init):
-                self.async_init = None
-
-    # -- errors: the one way a task's failure is answered --------------------------------------
-
-    def error(self) -> Failure:
-        """The exception being handled, as this worker's answer (type and traceback kept)."""
-        return Failure(self._caught())
-
-    def _caught(self) -> Any:
-        """The exception being handled, as this step's answers carry it: wrapped with the
-        worker's traceback for the consumer (a ``RemoteError``), or in the calling process the
-        exception itself, raised as it is (torch's ``num_workers=0``)."""
-        if self.in_caller:
-            return sys.exc_info()[1]
-        return RemoteError(self.config.worker_id)
-
-    def set_concurrency(self, concurrency: int) -> None:
-        """worker_concurrency="auto" (``SetConcurrency``): this pass's fetcher and the next."""
-        self.concurrency = concurrency
-        resize = getattr(self.fetcher, "set_concurrency", None)
-        if resize is not None:
-            resize(concurrency)
-
-    def setup_failed(self) -> None:
-        """The exception being handled broke the worker's setup: every task gets it."""
-        self.init_error = self._caught()
-        if not self.in_caller:
-            self.init_error.from_init = True
-
-    async def finish_async_init(self) -> None:
-        """Await an async ``worker_init_fn``'s coroutine, once, on the loop that will fetch;
-        its failure is the setup's (``setup_failed``). A process worker and a Ray actor both
-        run it before their first task."""
-        if self.async_init is None:
-            return
-        init, self.async_init = self.async_init, None
-        try:
-            await init
-        except Exception:
-            self.setup_failed()
-
-    async def enter_async_context(self) -> bool:
-        """Enter an async dataset's context (its per-worker setup, say an HTTP session) on
-        the loop that fetches, where the setup went well and the dataset has one; its failure
-        is the setup's. Returns whether it was entered: the caller exits it when it is done."""
-        if self.init_error is not None or not has_async_context(self.dataset):
-            return False
-        try:
-            await self.dataset.__aenter__()
-        except Exception:
-            self.setup_failed()
-            return False
-        return True
-
-    def preamble(self) -> Failure | StreamEnded | None:
-        """The answer to a task that needs no fetch: the worker's setup or this pass's stream
-        failed, or its IterableDataset stream has run dry. None: fetch it."""
-        if self.init_error is not None or self.fetch_error is not None:
-            self.point = None
-        error = self.init_error or self.fetch_error
-        if error is not None:
-            return Failure(error)
-        if self.iteration_end:
-            return StreamEnded()
-        return None
-
-    # -- a pass --------------------------------------------------------------------------------
-
-    def accepts(self, reset: Reset) -> bool:
-        """Whether a Reset still concerns this worker (not superseded, setup fine)."""
-        return reset.generation >= self.generation and self.init_error is None
-
-    def fetch_spec(self) -> FetchSpec:
-        """What this worker's fetchers are made from (its dataset and collate, as set up)."""
-        config = self.config
-        return FetchSpec(
-            config.dataset_kind,
-            self.dataset,
-            config.auto_collation,
-            self.collate_fn,
-            config.drop_last,
-            config.sample_policy,
-        )
-
-    def new_pass(self, plan: PassPlan) -> None:
-        # An IterableDataset's __iter__ runs here, once per pass: its failure is this pass's,
-        # and the next pass tries again.
-        self.fetch_error = None
-        self.iteration_end = False
-        self.fetcher = None
-        try:
-            if not self.in_caller:  # (the loader reseeds the calling process's dataset)
-                self.rewind(plan)
-                if plan.shared_seed is not None:
-                    # Every worker's shuffle seeded alike, anew each pass (an IterDataPipe).
-                    reseed(self.dataset, plan.shared_seed)
-            self.fetcher = Fetcher(self.fetch_spec(), plan, in_calling_process=self.in_caller)
-        except Exception:
-            self.fetch_error = self._caught()
-
-    def rewind(self, plan: PassPlan) -> None:
-        """Before a pass: note a Stateful dataset's state at this worker's first pass; a kept
-        worker told to rewind (``plan.rewind``) with no state to load had an untouched dataset
-        at the last batch the consumer received from it, and goes back to that state."""
-        if not self.began:
-            self.began = True
-            if is_stateful(self.dataset):
-                try:
-                    self.pristine = copy.deepcopy(self.dataset.state_dict())
-                except Exception:
-                    # (A dataset that is its own iterator may know its state only once
-                    # iterated: nothing to go back to.)
-                    self.pristine = None
-        if plan.rewind and plan.dataset_state is None and self.pristine is not None:
-            self.dataset.load_state_dict(copy.deepcopy(self.pristine))
-
-    def new_async_pass(self, plan: PassPlan) -> AsyncFetcher | None:
-        from .async_fetch import AsyncFetcher
-
-        self.fetch_error = None
-        self.iteration_end = False
-        self.fetcher = None
-        try:
-            if not self.in_caller:
-                self.rewind(plan)
-            # (A map-style dataset's checkpointed state is loaded here: it may fail.)
-            fetcher = AsyncFetcher(self.fetch_spec(), plan, self.concurrency)
-        except Exception:
-            self.fetch_error = self._caught()
-            return None
-        self.fetcher = fetcher
-        return fetcher
-
-    async def start_async_stream(self, plan: PassPlan) -> None:
-        """An async IterableDataset's new pass: close the previous stream, open the next (its
-        __aiter__ runs now, after a resumed pass's state is loaded)."""
-        previous = self.fetcher
-        if previous is not None:
-            with contextlib.suppress(Exception):
-                await previous.aclose()
-        fetcher = self.new_async_pass(plan)
-        if fetcher is None:
-            return
-        try:
-            await fetcher.start()
-        except Exception:
-            self.fetch_error = self._caught()
-
-    # -- a task --------------------------------------------------------------------------------
-
-    def run(self, task: Task) -> StepResult:
-        early = self.preamble()
-        if early is not None:
-            return early
-        return self.finish(self.fetcher.fetch, task.indices)
-
-    async def run_async(self, task: Task, fetcher: AsyncFetcher | None = None) -> StepResult:
-        """An async dataset's task: gather its samples (with up to worker_concurrency in
-        flight), then collate. ``fetcher`` is the pass's, for map-style batches gathered
-        concurrently across a pass change."""
-        early = self.preamble()
-        if early is not None:
-            return early
-        from .async_fetch import StreamEnd
-
-        active: AsyncFetcher = fetcher if fetcher is not None else self.fetcher
-        try:
-            samples = await active.gather(task.indices)
-        except StreamEnd:
-            if not self.iterable:
-                return self.error()
-            self.iteration_end = True
-            self.point = self._point_or_none()
-            return StreamEnded()
-        except Exception:
-            failure = self.error()
-            self.point = self._point_or_none()
-            return failure
-        # No await from here on: the collate is not interrupted by a cancellation.
-        return self.finish(active.collate, samples)
-
-    def finish(self, make_batch: Callable[[Any], Any], argument: Any) -> StepResult:
-        """Run ``make_batch(argument)`` (a fetch of a task's indices, or an async fetch's
-        collate of its samples), with a slab to collate into when this worker has shared
-        memory, and note where the stream stands after it."""
-        arena = self._arena()
-        started = time.perf_counter()
-        waited = 0.0 if self.slabs is None else self.slabs.waited_s
-        try:
-            _transport._current_arena = arena
-            try:
-                data = make_batch(argument)
-            finally:
-                _transport._current_arena = None
-                # The arena has a slab only if the collate stacked into it.
-                arena = None if arena is None else arena.arena
-                if self.slabs is not None:
-                    # How long a batch takes to make, a wait for a free left out: the pool
-                    # waits at most this long for the next one.
-                    took = time.perf_counter() - started
-                    self.slabs.batch_s = took - (self.slabs.waited_s - waited)
-            # Where the dataset stands now (its state_dict() is the user's code: a failure
-            # there is this task's).
-            stream = self.point = self._point()
-        except StopIteration:
-            self.release(arena)
-            if not self.iterable:  # only an IterableDataset may run dry
-                return self.error()
-            self.iteration_end = True
-            # The state after the stream ran dry is what the next pass starts from.
-            self.point = self._point_or_none()
-            return StreamEnded()
-        except Exception:
-            self.release(arena)
-            failure = self.error()
-            # A failed task may have moved the dataset on too (a random draw).
-            self.point = self._point_or_none()
-            return failure
-        return Produced(data, stream, arena)
-
-    def _point(self) -> StreamState | None:
-        point: StreamState | None = self.fetcher.point()
-        if point is not None and self.copies_points:
-            # In this process the dataset's state object may be the live one.
-            point = copy.deepcopy(point)
-        return point
-
-    def _point_or_none(self) -> StreamState | None:
-        try:
-            return None if self.fetcher is None else self._point()
-        except Exception:
-            return None
-
-    def point_of(self, result: StepResult) -> StreamState | None:
-        """Where the dataset stood after the task that gave ``result`` (for its reply)."""
-        if isinstance(result, Produced):
-            return result.stream
-        return self.point
-
-    def _arena(self) -> Any:
-        # Every collate gets one, the user's own too: the default_collate it may call stacks
-        # tensors straight into it (_wire.slabs.stack_tensors_privately), so they are copied
-        # once, not stacked privately and copied again. A collate_fn that keeps such a tensor
-        # after the batch is sent keeps its slab too: a slab still viewed here is never
-        # reused (_Slab.referenced).
-        if self.slabs is None:
-            return None
-        try:
-            return self.slabs.arena()
-        except OSError:
-            return None  # no shared memory now: collate as usual, send by value
-
-    def release(self, arena: Any) -> None:
-        if arena is not None and self.slabs is not None:
-            self.slabs.release(arena.slab.id)
 
 
 class _ProcessWorker:
@@ -873,13 +293,13 @@ class _ProcessWorker:
     def _encode(self, produced: Produced, fds: list[int]) -> SlabBatch | PickledBatch | Failure:
         arena = produced.arena
         try:
-            encoded = _transport.encode_batch(produced.data, self.slabs, arena)
+            encoded = encode_batch(produced.data, self.slabs, arena)
         except OSError:
             # No shared memory to be had (e.g. /dev/shm or the memory cgroup is full): send the
             # batch by value instead. Slower, never wrong.
             self.step.release(arena)
             try:
-                return PickledBatch(_transport.dumps_by_value(produced.data))
+                return PickledBatch(dumps_by_value(produced.data))
             except Exception:
                 return self.step.error()
         except Exception as error:

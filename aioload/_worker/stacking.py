@@ -7,13 +7,13 @@ batch. Both are written and then read from memory, since together (and with the 
 worker's) they no longer fit in the cache. Copied into its row of the slab the moment it
 arrives, a sample can be freed before the next one is fetched, and the next one is made in
 the same, still-cached bytes: per batch, one sample's worth of temporary memory instead of
-a batch's worth. The image workload's 2 workers made 71k -> 93k items/s (docs/architecture.md).
+a batch's worth (docs/benchmark-notes.md, "Copying samples as they come").
 
 What the collate makes of the batch does not change. Each sample keeps its structure, with
 its large tensors replaced by their rows (views of the slab); ``default_collate`` then runs as
 usual, and when it comes to stack a leaf whose samples are exactly those rows, in order, the
-stacked tensor is already there (``_wire.slabs._collate_tensor_into_slab`` takes it from
-``_wire.slabs.stacked_leaves``). Only ``default_collate`` (aioload's slab collate) is done this
+stacked tensor is already there (``_wire.slabs.LazyArena.stack`` takes it from the arena's
+``stacked``). Only ``default_collate`` (aioload's slab collate) is done this
 way; a user's ``collate_fn`` gets the samples as the dataset returned them. Under the
 sample-error policy (``_worker.fetch.Fetcher._gather_stacking``) a skipped sample takes no row.
 
@@ -38,16 +38,14 @@ import numpy as np
 import torch
 
 from .._wire import slabs as _transport
+from .._wire.leaves import TORCH_DTYPES
 
 __all__ = ["fetch_stacking"]
 
 # A tensor leaf is copied into its row as it arrives only from this size. The copy costs
-# about 1.5 us more per sample in Python (a check, a row, ``copy_``) than ``torch.stack``'s
-# loop, and the cache it saves matters only for large samples. With 2 workers (items/s, 3
-# alternating runs each, 2026-11-25): 64 KiB samples 8% slower in batches of 64, no faster in
-# batches of 128; 128 KiB samples no faster in batches of 8, 42% faster in batches of 64;
-# 256 KiB 13% faster in batches of 16, 1 MiB 53% in batches of 8, and the image workload's
-# 147 KiB images 30% in batches of 64.
+# more per sample in Python (a check, a row, ``copy_``) than ``torch.stack``'s loop, and the
+# cache it saves matters only for large samples: below this size the cost won or nothing
+# was gained (the measurements: docs/benchmark-notes.md, "Copying samples as they come").
 _MIN_ROW_BYTES = 128 << 10
 
 _Tensor = torch.Tensor
@@ -58,7 +56,7 @@ def _plain(t: Any) -> bool:
     """Whether ``t`` is a tensor that ``torch.stack`` would stack into the slab."""
     return (
         type(t) is _Tensor
-        and t.dtype in _transport._TORCH_DTYPES
+        and t.dtype in TORCH_DTYPES
         and t.layout is _strided
         and not t.is_nested
         and not t.requires_grad
@@ -78,7 +76,7 @@ def _torch_dtype_of(dtype: np.dtype[Any]) -> torch.dtype | None:
             made: torch.dtype | None = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
         except (TypeError, ValueError, RuntimeError):
             made = None
-        _TORCH_DTYPE_OF[dtype] = made if made in _transport._TORCH_DTYPES else None
+        _TORCH_DTYPE_OF[dtype] = made if made in TORCH_DTYPES else None
     return _TORCH_DTYPE_OF[dtype]
 
 
@@ -245,7 +243,7 @@ _END: Any = object()
 def fetch_stacking(
     fetch: Callable[[Any], Any],
     indices: Any,
-    arena: _transport._LazyArena,
+    arena: _transport.LazyArena,
     passed_over: type | None = None,
 ) -> list[Any]:
     """The samples named by ``indices`` (each fetched with ``fetch``), their large tensors
@@ -313,7 +311,7 @@ def fetch_stacking(
         # Rows past ``position`` (samples passed over) are not part of the stacked leaf.
         for leaf in layout.leaves:
             rows = leaf.rows[:position]
-            _transport.stacked_leaves[id(rows[0])] = (rows, leaf.region[:position])
+            arena.stacked[id(rows[0])] = (rows, leaf.region[:position])
     return samples
 
 

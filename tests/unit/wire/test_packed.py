@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import aioload
+from aioload._wire import leaves as _leaves
 from aioload._wire import packed as _packed
-from aioload._wire import slabs as _transport
 from aioload._wire.channel import ParentChannel, WorkerChannel, encode_frame
 from aioload._wire.messages import (
     Failure,
@@ -29,7 +29,7 @@ from aioload._wire.messages import (
     Task,
 )
 
-_LONE = _transport._LONE_LEAF_PAYLOAD
+_LONE = _leaves.LONE_LEAF_PAYLOAD
 
 
 def _slab_reply(leaves: list[Any], payload: bytes = _LONE, **fields: Any) -> Reply:

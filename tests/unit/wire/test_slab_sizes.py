@@ -14,6 +14,7 @@ import torch
 
 import aioload
 from aioload._wire import slabs
+from aioload._wire.encoding import encode_batch
 from tests.scripts.datasets import FnDataset
 
 pytestmark = pytest.mark.timeout(60)
@@ -93,7 +94,7 @@ def test_batches_of_one_size_reuse_their_slabs(no_leaks: None) -> None:
     try:
         for i in range(50):
             batch = {"image": torch.full((SMALL,), i, dtype=torch.uint8)}
-            encoded = slabs.encode_batch(batch, pool, None)
+            encoded = encode_batch(batch, pool, None)
             assert encoded.slab is not None
             pool.release(encoded.slab.id)
     finally:

@@ -30,6 +30,8 @@ import torch
 from torch.utils.data import default_collate
 
 import aioload
+from aioload._wire import encoding as _encoding
+from aioload._wire import leaves as _leaves
 from aioload._wire import slabs as _transport
 from aioload._wire.messages import PickledBatch, Produced, SlabBatch, Task
 from aioload._worker import main as _worker_main
@@ -47,7 +49,7 @@ pytestmark = [
 
 NUM_WORKERS = 2
 PREFETCH = 2
-DTYPES = sorted(_transport._TORCH_DTYPES, key=str)
+DTYPES = sorted(_leaves.TORCH_DTYPES, key=str)
 
 
 def _pickles(dtype: torch.dtype) -> bool:
@@ -380,7 +382,7 @@ def test_round_trip_every_leaf_type(
             if isinstance(t, torch.Tensor)
             and t.layout == torch.strided
             and t.numel()
-            and t.dtype in _transport._TORCH_DTYPES
+            and t.dtype in _leaves.TORCH_DTYPES
             and not t.requires_grad
             and type(t) is torch.Tensor
         ]
@@ -713,7 +715,6 @@ def test_pool_that_cannot_grow_falls_back_to_pickle(
 def pool() -> Iterator[_transport.WorkerSlabPool]:
     pool = _transport.WorkerSlabPool(max_idle=3)
     yield pool
-    _transport._current_arena = None
     for slab in pool.slabs.values():
         fd = slab.take_fd()
         if fd is not None:
@@ -728,8 +729,8 @@ class Transfer:
         self.mappings = _transport.SlabMappings()
         self.released: list[int] = []
 
-    def send(self, batch: Any, arena: Any = None) -> tuple[_transport.EncodedBatch, Any]:
-        enc = _transport.encode_batch(batch, self.pool, arena)
+    def send(self, batch: Any, arena: Any = None) -> tuple[_encoding.EncodedBatch, Any]:
+        enc = _encoding.encode_batch(batch, self.pool, arena)
         slab_id = -1
         if enc.slab is not None:
             slab_id = enc.slab.id
@@ -743,11 +744,11 @@ class Transfer:
     def collate_in_arena(self, samples: list[Any]) -> tuple[Any, Any]:
         """The collated batch, and the arena it was stacked into (None: it took no slab)."""
         lazy = self.pool.arena()
-        _transport._current_arena = lazy
+        _transport.collating_into(lazy)
         try:
             return _transport.slab_collate(samples), _transport.settled_arena(lazy)
         finally:
-            _transport._current_arena = None
+            _transport.collating_into(None)
 
 
 def test_encode_decode_in_process(no_leaks: None, pool: _transport.WorkerSlabPool) -> None:
@@ -1092,8 +1093,8 @@ def test_a_lone_tensor_stacked_into_the_arena_stays_there(
 def test_the_lone_tensor_payload_is_what_the_pickler_makes() -> None:
     for t in (torch.zeros(3), torch.ones(2, 2, dtype=torch.int64)):
         buf = io.BytesIO()
-        _transport._LeafCollector(buf).dump(t)
-        assert _transport._collect_leaves(t) == (buf.getvalue(), [t])
+        _leaves._LeafCollector(buf).dump(t)
+        assert _leaves.collect_leaves(t) == (buf.getvalue(), [t])
 
 
 @pytest.mark.parametrize("odd", ["dtype", "grad", "subclass"])
@@ -1160,7 +1161,7 @@ def _fake_worker(pool: _transport.WorkerSlabPool, batch: Any) -> Any:
     step.iteration_end = False
     step.point = None
     step.fetcher = SimpleNamespace(
-        fetch=lambda indices: _transport.slab_collate(batch), point=lambda: None
+        fetch=lambda indices, arena: _transport.slab_collate(batch), point=lambda: None
     )
     worker: Any = object.__new__(_worker_main._ProcessWorker)
     worker.slabs = pool

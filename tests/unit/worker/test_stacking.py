@@ -249,24 +249,21 @@ def test_seed_per_sample_gives_the_same_samples(no_leaks: None) -> None:
     _assert_same(batches(2), in_process)
 
 
-def test_the_copy_is_taken_as_the_stacked_leaf_only_for_exactly_its_rows() -> None:
+def test_the_copy_is_taken_as_the_stacked_leaf_only_for_exactly_its_rows(arena: Any) -> None:
     region = torch.arange(12.0).reshape(3, 4)
     rows = region.unbind(0)
-    _transport.stacked_leaves[id(rows[0])] = (rows, region)
-    try:
-        # Other tensors with the same values, or the rows in another order, are stacked.
-        other = [row.clone() for row in rows]
-        assert _transport._collate_tensor_into_slab(other) is not region
-        assert _transport.stacked_leaves
-        shuffled = [rows[0], rows[2], rows[1]]
-        stacked = _transport._collate_tensor_into_slab(shuffled)
-        assert stacked is not region and stacked.tolist() == torch.stack(shuffled).tolist()
-        # Taken once: the entry is gone after a look.
-        assert not _transport.stacked_leaves
-        _transport.stacked_leaves[id(rows[0])] = (rows, region)
-        assert _transport._collate_tensor_into_slab(list(rows)) is region
-    finally:
-        _transport.stacked_leaves.clear()
+    arena.stacked[id(rows[0])] = (rows, region)
+    # Other tensors with the same values, or the rows in another order, are stacked.
+    other = [row.clone() for row in rows]
+    assert arena.stack(other) is not region
+    assert arena.stacked
+    shuffled = [rows[0], rows[2], rows[1]]
+    stacked = arena.stack(shuffled)
+    assert stacked is not region and stacked.tolist() == torch.stack(shuffled).tolist()
+    # Taken once: the entry is gone after a look.
+    assert not arena.stacked
+    arena.stacked[id(rows[0])] = (rows, region)
+    assert arena.stack(list(rows)) is region
 
 
 @pytest.fixture
@@ -276,15 +273,57 @@ def arena() -> Iterator[Any]:
     try:
         yield pool.arena()
     finally:
-        _transport.stacked_leaves.clear()
         for slab in pool.slabs.values():
             fd = slab.take_fd()
             if fd is not None:
                 os.close(fd)
 
 
+def _slab_collate(samples: Any, arena: Any) -> Any:
+    """aioload's collate of a worker's batch whose arena is ``arena``."""
+    _transport.collating_into(arena)
+    try:
+        return _transport.slab_collate(samples)
+    finally:
+        _transport.collating_into(None)
+
+
 def _in_slab(t: torch.Tensor, arena: Any) -> bool:
     return arena.arena is not None and arena.arena.holds(t)
+
+
+@pytest.mark.parametrize("policy", [None, _fetch.SamplePolicy("skip", 0)])
+def test_a_fetch_stacks_into_the_arena_it_is_given(
+    arena: Any, policy: _fetch.SamplePolicy | None
+) -> None:
+    """The arena reaches the fetch as its argument (no module global carries it), and the
+    collate, pointed at it for the batch, takes the rows as the stacked leaf."""
+    spec = _fetch.FetchSpec(0, FnDataset(_lone, 8), True, _transport.slab_collate, False, policy)
+    fetcher = _fetch.Fetcher(spec, _fetch.PassPlan())
+    _transport.collating_into(arena)
+    try:
+        batch = fetcher.fetch(list(range(4)), arena)
+    finally:
+        _transport.collating_into(None)
+    _assert_same(batch, torch.stack([_lone(i) for i in range(4)]))
+    assert _in_slab(batch, arena) and not arena.stacked
+    # Without one, the same fetch stacks privately.
+    alone = fetcher.fetch(list(range(4)))
+    _assert_same(alone, batch)
+    assert not _in_slab(alone, arena)
+
+
+def test_pointing_the_collate_at_an_arena_leaves_a_users_map_alone(arena: Any) -> None:
+    """In a process that is not aioload's worker, torch's ``default_collate`` stays torch's
+    (only ``slab_collate`` stacks into the arena)."""
+    before = torch.utils.data._utils.collate.default_collate_fn_map[torch.Tensor]
+    _transport.collating_into(arena)
+    try:
+        assert torch.utils.data._utils.collate.default_collate_fn_map[torch.Tensor] is before
+        assert _in_slab(_transport.slab_collate([_lone(i) for i in range(4)]), arena)
+    finally:
+        _transport.collating_into(None)
+    assert not _in_slab(_transport.slab_collate([_lone(i) for i in range(4)]), arena)
 
 
 def test_samples_become_rows_and_the_leaf_is_stacked_once(arena: Any) -> None:
@@ -293,11 +332,11 @@ def test_samples_become_rows_and_the_leaf_is_stacked_once(arena: Any) -> None:
     assert all(_in_slab(s["image"], arena) for s in samples)
     # The uint8 mask is too small to copy as it comes: the dataset's own tensor.
     assert not any(_in_slab(s["mask"], arena) for s in samples)
-    assert list(_transport.stacked_leaves) == [id(samples[0]["image"])]
-    batch = _transport.slab_collate(samples)
+    assert list(arena.stacked) == [id(samples[0]["image"])]
+    batch = _slab_collate(samples, arena)
     _assert_same(batch, torch.utils.data.default_collate([_record(i) for i in range(4)]))
     assert _in_slab(batch["image"], arena)
-    assert not _transport.stacked_leaves
+    assert not arena.stacked
 
 
 @pytest.mark.parametrize(
@@ -313,7 +352,7 @@ def test_an_unlike_sample_stops_the_copy_and_nothing_is_taken_as_stacked(
     odd: Any, arena: Any
 ) -> None:
     samples = _stacking.fetch_stacking(_odd_one_out(odd), range(8), arena)
-    assert not _transport.stacked_leaves
+    assert not arena.stacked
     assert [_in_slab(s, arena) for s in samples if isinstance(s, torch.Tensor)][:5] == [True] * 5
     assert not any(_in_slab(s, arena) for s in samples[5:] if isinstance(s, torch.Tensor))
     expected = [_odd_one_out(odd)(i) for i in range(8)]
@@ -332,8 +371,8 @@ def test_fewer_indices_than_len_says_are_not_taken_as_stacked(arena: Any) -> Non
             return iter(range(4))
 
     samples = _stacking.fetch_stacking(_lone, Short(), arena)
-    assert len(samples) == 4 and not _transport.stacked_leaves
-    _assert_same(_transport.slab_collate(samples), torch.stack([_lone(i) for i in range(4)]))
+    assert len(samples) == 4 and not arena.stacked
+    _assert_same(_slab_collate(samples, arena), torch.stack([_lone(i) for i in range(4)]))
 
 
 def _broken(bad: set[int]) -> Any:
@@ -372,9 +411,9 @@ def test_under_the_policy_the_rows_of_the_kept_samples_are_the_stacked_leaf(aren
     assert [s is failed for s in samples] == [i in (2, 5) for i in range(8)]
     kept = [s for s in samples if s is not failed]
     assert all(_in_slab(s, arena) for s in kept)
-    batch = _transport.slab_collate(kept)
+    batch = _slab_collate(kept, arena)
     _assert_same(batch, torch.stack([_lone(i) for i in range(8) if i not in (2, 5)]))
-    assert _in_slab(batch, arena) and not _transport.stacked_leaves
+    assert _in_slab(batch, arena) and not arena.stacked
 
 
 def _np_image(index: int) -> np.ndarray[Any, Any]:
@@ -419,14 +458,14 @@ def test_an_array_unlike_the_first_gets_torchs_result_or_error(odd: Any, no_leak
 def test_arrays_become_tensor_rows_and_back_to_arrays_when_unlike(arena: Any) -> None:
     samples = _stacking.fetch_stacking(_np_image, range(4), arena)
     assert all(type(s) is torch.Tensor and _in_slab(s, arena) for s in samples)
-    assert _transport.stacked_leaves
-    _transport.stacked_leaves.clear()
+    assert arena.stacked
+    arena.stacked.clear()
 
     def make(i: int) -> Any:
         return _np_image(i)[:2] if i == 3 else _np_image(i)
 
     samples = _stacking.fetch_stacking(make, range(6), arena)
     assert [type(s) for s in samples] == [np.ndarray] * 6
-    assert not _transport.stacked_leaves
+    assert not arena.stacked
     for i, sample in enumerate(samples):
         assert np.array_equal(sample, make(i))
