@@ -240,15 +240,11 @@ def _startup_probes(
             for loader in ("torch", "aioload"):
                 rec: dict[str, Any] = {"workload": w, "loader": loader, "repeat": rep}
                 try:
+                    child = startup.ChildWorkload(
+                        w, WORKLOADS[w].batch_size, cpu_iters, url, sizes[w]
+                    )
                     rec |= startup.first_batch(
-                        loader,
-                        w,
-                        WORKLOADS[w].batch_size,
-                        args.num_workers,
-                        cpu_iters,
-                        url,
-                        timeout_s=args.timeout,
-                        max_size=sizes[w],
+                        loader, child, args.num_workers, timeout_s=args.timeout
                     )
                     rec["ok"] = True
                     print(

@@ -26,7 +26,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 _REPO_DIR = Path(__file__).resolve().parents[1]
 _PKG_DIR = _REPO_DIR / "aioload"
@@ -87,15 +87,21 @@ def import_overhead(repeats: int) -> dict[str, float]:
     }
 
 
+class ChildWorkload(NamedTuple):
+    """What a start-up child loads: the workload and its settings."""
+
+    name: str
+    batch_size: int
+    cpu_iters: int = 0
+    url: str = ""
+    max_size: int = 0
+
+
 def first_batch(
     loader: str,
-    workload: str,
-    batch_size: int,
+    workload: ChildWorkload,
     num_workers: int,
-    cpu_iters: int,
-    url: str,
     timeout_s: float = 300.0,
-    max_size: int = 0,
     front: str = "sync",
 ) -> dict[str, Any]:
     """One fresh process: first batch from before the import, and a later epoch's first."""
@@ -105,19 +111,19 @@ def first_batch(
         "--loader",
         loader,
         "--workload",
-        workload,
+        workload.name,
         "--batch-size",
-        str(batch_size),
+        str(workload.batch_size),
         "--num-workers",
         str(num_workers),
         "--cpu-iters",
-        str(cpu_iters),
+        str(workload.cpu_iters),
         "--repo",
         _REPO,
         "--url",
-        url,
+        workload.url,
         "--max-size",
-        str(max_size),
+        str(workload.max_size),
         "--front",
         front,
     ]
@@ -177,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(a.rounds):
         for n in a.workers:
             for loader, front in kinds:
-                record = first_batch(loader, a.workload, a.batch_size, n, 0, "", front=front)
+                record = first_batch(
+                    loader, ChildWorkload(a.workload, a.batch_size), n, front=front
+                )
                 runs[loader, front, n].append(record)
 
     def ms(kind: tuple[str, str], n: int, key: str) -> str:

@@ -159,25 +159,7 @@ MIRRORS_TORCH: dict[str, str] = {
 # TEMPORARY: what is still over a limit on this branch while other branches split it (issue
 # 44). Emptied at merge; ``test_known_over_is_still_over`` fails for an entry that no longer
 # is, so the list cannot outlive its reason.
-KNOWN_OVER: set[str] = {
-    "module:aioload/_backends/process.py",
-    "module:aioload/_engine/orchestrator.py",
-    "module:aioload/_engine/tuning.py",
-    "module:benchmarks/report.py",
-    "lines:aioload._engine.resume.begin_pass",
-    "lines:aioload._engine.setup.pass_setup",
-    "lines:benchmarks.__main__.parse_args",
-    "lines:benchmarks.__main__.main",
-    "lines:benchmarks.auto.main",
-    "lines:benchmarks.report.results_tables",
-    "lines:benchmarks.report.render_markdown",
-    "params:aioload._engine.resume.PassProgress.__init__",
-    "params:aioload._engine.resume.begin_pass",
-    "params:aioload._engine.setup.resolve_arguments",
-    "params:aioload._engine.setup.check_extras",
-    "params:aioload._engine.tuning.Controller.__init__",
-    "params:benchmarks.startup.first_batch",
-}
+KNOWN_OVER: set[str] = set()
 
 
 def _sized_files() -> list[Path]:
