@@ -28,12 +28,14 @@ a worker process, on the one dataset object every thread shares.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import os
 import queue
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from .._aio.waiting import Descriptor
@@ -71,6 +73,9 @@ _CLOSE_GRACE_S = 0.5
 # close() cancels it, as a process worker cancels the batches of a pass it has left (else a
 # stale fetch that never ends would hold the thread, and the next pass would wait on it).
 _STALE_CHECK_S = 0.05
+# How long the interpreter's exit waits, in all, for threads still in a sample (see
+# NOTE [ Thread workers at the interpreter's exit ]).
+_EXIT_GRACE_S = 5.0
 # A thread's inbox: this ends the thread.
 _STOP: Any = object()
 # Names threads across backends, for place() and stack dumps.
@@ -141,6 +146,7 @@ class _ThreadWorker:
             target=self._run, name=f"aioload-worker-{worker_id}-{next(_serial)}", daemon=True
         )
         self.thread.start()
+        _threads.add(self.thread)
 
     # -- in the worker thread ----------------------------------------------------------------
 
@@ -294,6 +300,7 @@ class ThreadBackend:
         self.concurrency: int | None = None
         self.active = self.num_workers
         self.workers = [_ThreadWorker(self, w) for w in range(self.num_workers)]
+        _live.add(self)
 
     # -- the seam ----------------------------------------------------------------------------
 
@@ -412,6 +419,38 @@ class ThreadBackend:
             "and its answer will be dropped.",
             worker_id=worker_id,
         )
+
+
+# NOTE [ Thread workers at the interpreter's exit ]
+#
+# Worker threads are daemons, so that a stuck one never holds the interpreter's exit. But a
+# daemon thread that is still inside native code (a torch op, a decoder) when the interpreter
+# finalises keeps running while the process's C++ statics are destroyed under it, and the
+# process aborts ("terminate called without an active exception", exit status 134) after the
+# user's script ended well. A pass's close() waits only briefly (_CLOSE_GRACE_S), and the
+# finalizers that close an abandoned pass or kept workers at exit call that close().
+#
+# So at exit every live backend is closed, and every worker thread still running (of a pass
+# closed earlier, or abandoned) is waited for with a longer, bounded grace: threads between
+# tasks leave at once, a thread in a sample leaves when the sample ends, and only a thread
+# still in a sample after _EXIT_GRACE_S in all is left, as torch leaves a worker process
+# after its own bounded join. The hook is an atexit one registered when this module is first
+# imported, after weakref's: atexit runs last-registered first, so it runs before the
+# finalizers, while the threads can still finish.
+_live: weakref.WeakSet[ThreadBackend] = weakref.WeakSet()
+_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def _close_at_exit() -> None:
+    for backend in list(_live):
+        backend.close(grace=0.0)
+    deadline = time.monotonic() + _EXIT_GRACE_S
+    for thread in list(_threads):
+        if thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_close_at_exit)
 
 
 def _conforms(backend: ThreadBackend) -> tuple[WorkerBackend, TunableBackend]:

@@ -222,6 +222,35 @@ except aioload.DataLoaderTimeoutError:
     assert run_fresh(script, timeout=60) == "timed out"
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-pass", "persistent"])
+def test_a_thread_in_a_native_op_does_not_abort_the_interpreters_exit(persistent: bool) -> None:
+    # A sample that spends about a second inside torch's own C++ (one matmul after another),
+    # and a script that takes the first batch and ends: the interpreter's exit found a worker
+    # thread still inside the op and aborted ("terminate called without an active
+    # exception", status 134) before the exit waited for samples in hand.
+    script = f"""
+import torch
+from torch.utils.data import Dataset
+import aioload
+
+class Native(Dataset):
+    def __len__(self): return 100
+    def __getitem__(self, i):
+        a = torch.randn(1500, 1500)
+        for _ in range(10):
+            a = a @ a
+            a = a / a.norm()
+        return a.sum()
+
+loader = aioload.DataLoader(Native(), batch_size=1, num_workers=2, worker_method="thread",
+                            persistent_workers={persistent})
+for batch in loader:
+    break
+print("ended")
+"""
+    assert run_fresh(script, timeout=100) == "ended"
+
+
 class Failing(Dataset[int]):
     def __len__(self) -> int:
         return 6
