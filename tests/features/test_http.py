@@ -15,13 +15,13 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 import aioload
 from benchmarks.httpserver import FileServer, file_bytes, make_files
 from tests.helpers import wait_until, within
 
-pytestmark = [pytest.mark.threads_pending, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.timeout(60)]
 
 NUM_FILES = 3000
 
@@ -53,58 +53,66 @@ def keep_list(samples: list[Any]) -> list[Any]:
     return samples
 
 
+def _worker_key() -> tuple[int, int]:
+    """Whose state this is: the process and, in a worker, its id. Thread workers share the
+    one dataset object (docs/threads.md), so what each worker opens is kept under its key,
+    not in one attribute that every thread would overwrite."""
+    info = get_worker_info()
+    return os.getpid(), -1 if info is None else info.id
+
+
 class AsyncFiles(Dataset[tuple[int, bytes]]):
     """Reads ``base_url/paths[i]``; one ``httpx.AsyncClient`` per worker, opened on the worker's
     loop when it starts and closed when it stops (then, with ``closed_log``, a directory, it
-    touches ``closed-<pid>`` there)."""
+    touches ``closed-<pid>-<worker id>`` there)."""
 
     def __init__(self, base_url: str, paths: list[str], closed_log: Path | None = None) -> None:
         self.base_url = base_url
         self.paths = paths
         self.closed_log = closed_log
-        self.client: httpx.AsyncClient | None = None
+        self.clients: dict[tuple[int, int], httpx.AsyncClient] = {}
 
     def __len__(self) -> int:
         return len(self.paths)
 
     async def __aenter__(self) -> AsyncFiles:
-        self.client = httpx.AsyncClient(base_url=self.base_url, timeout=30.0)
+        self.clients[_worker_key()] = httpx.AsyncClient(base_url=self.base_url, timeout=30.0)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self.client is not None:
-            await self.client.aclose()
-            self.client = None
+        key = _worker_key()
+        client = self.clients.pop(key, None)
+        if client is not None:
+            await client.aclose()
             if self.closed_log is not None:
-                (self.closed_log / f"closed-{os.getpid()}").touch()
+                (self.closed_log / f"closed-{key[0]}-{key[1]}").touch()
 
     async def __getitem__(self, i: int) -> tuple[int, bytes]:
-        assert self.client is not None
-        response = await self.client.get("/" + self.paths[i])
+        response = await self.clients[_worker_key()].get("/" + self.paths[i])
         response.raise_for_status()
         return i, response.content
 
 
 class SyncFiles(Dataset[tuple[int, bytes]]):
-    """The same with a blocking client, made lazily in each process that reads."""
+    """The same with a blocking client, made lazily by each worker that reads."""
 
     def __init__(self, base_url: str, paths: list[str]) -> None:
         self.base_url = base_url
         self.paths = paths
-        self._client: tuple[int, httpx.Client] | None = None
+        self._clients: dict[tuple[int, int], httpx.Client] = {}
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def _get(self, path: str) -> httpx.Response:
-        if self._client is None or self._client[0] != os.getpid():
-            self._client = (os.getpid(), httpx.Client(base_url=self.base_url, timeout=30.0))
-        return self._client[1].get(path)
+        key = _worker_key()
+        if key not in self._clients:
+            self._clients[key] = httpx.Client(base_url=self.base_url, timeout=30.0)
+        return self._clients[key].get(path)
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client[1].close()
-            self._client = None
+        for key in [key for key in self._clients if key[0] == os.getpid()]:
+            self._clients.pop(key).close()
 
     def __getitem__(self, i: int) -> tuple[int, bytes]:
         response = self._get("/" + self.paths[i])
