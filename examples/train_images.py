@@ -13,7 +13,9 @@
    the readable files: one corrupt file would end torch's epoch). Each rate is timed from the
    pass's first batch on, so the workers' start is left out for both.
 
-Options: ``--images``, ``--batch-size``, ``--workers``, ``--data-dir``; run with ``--help``.
+aioload's workers are threads (``--worker-method`` chooses): the decoding releases the GIL.
+Options: ``--images``, ``--batch-size``, ``--workers``, ``--worker-method``, ``--data-dir``;
+run with ``--help``.
 With ``AIOLOAD_EXAMPLE_SMALL=1`` it runs on 64 images (the examples test does this).
 """
 
@@ -31,7 +33,7 @@ import torch
 import uvloop
 from PIL import Image, ImageDraw
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 import aioload
 
@@ -41,6 +43,9 @@ IMAGE_SIDE = 96  # stored size
 # Images written corrupt on purpose (those below --images): two truncated, two not JPEGs.
 CORRUPT = {5: "truncated", 37: "garbage", 1001: "truncated", 1666: "garbage"}
 CROP_SIDE = 80  # what the network sees, after a random crop
+# Decoding a JPEG (Pillow) releases the GIL, so thread workers run it in parallel, with no
+# copy of the dataset and no shared memory per worker (docs/threads.md).
+WORKER_METHOD = "thread"
 
 
 # -- 1. the images -------------------------------------------------------------------------------
@@ -104,6 +109,18 @@ def ensure_images(folder: Path, count: int) -> list[Path]:
 # -- 2. the dataset ------------------------------------------------------------------------------
 
 
+def _augmentation() -> tuple[int, int, bool, float]:
+    """A random crop's corner, a flip or not, a brightness scale."""
+    rng = getattr(get_worker_info(), "rng", None)
+    # A thread worker draws from its own generators: threads share numpy's global one, so
+    # the draws would depend on how the threads interleave. A worker process draws from
+    # numpy's global generator, which each worker seeds differently (torch's rule, kept by
+    # aioload). Both are numpy RandomStates, with np.random's methods.
+    draw: Any = np.random if rng is None else rng.numpy_generator
+    top, left = draw.randint(0, IMAGE_SIDE - CROP_SIDE + 1, size=2)
+    return int(top), int(left), bool(draw.rand() < 0.5), float(draw.uniform(0.8, 1.2))
+
+
 class JpegShapes(Dataset[tuple[torch.Tensor, int]]):
     """Decode with Pillow, augment with numpy, return a normalised CHW float tensor."""
 
@@ -117,12 +134,11 @@ class JpegShapes(Dataset[tuple[torch.Tensor, int]]):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         with Image.open(self.paths[index]) as image:
             pixels = np.asarray(image.convert("RGB"), dtype=np.float32)
-        # numpy's global RNG: each worker seeds it differently (torch's rule, kept by aioload).
-        top, left = np.random.randint(0, IMAGE_SIDE - CROP_SIDE + 1, size=2)
+        top, left, flip, scale = _augmentation()
         pixels = pixels[top : top + CROP_SIDE, left : left + CROP_SIDE]
-        if np.random.rand() < 0.5:
+        if flip:
             pixels = pixels[:, ::-1]
-        pixels = pixels * np.random.uniform(0.8, 1.2) / 255.0
+        pixels = pixels * scale / 255.0
         pixels = (pixels - 0.25) / 0.25
         return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1))), self.labels[index]
 
@@ -215,6 +231,12 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=64 if SMALL else 2000)
     parser.add_argument("--batch-size", type=int, default=16 if SMALL else 32)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--worker-method",
+        choices=["thread", "multiprocessing", "auto"],
+        default=WORKER_METHOD,
+        help=f"aioload's workers (default {WORKER_METHOD!r})",
+    )
     default_data = (
         os.environ.get("AIOLOAD_EXAMPLE_DATA") or Path(__file__).resolve().parents[1] / "data"
     )
@@ -235,7 +257,13 @@ def main() -> None:
 
     # A corrupt file costs its sample, not the run: skipped, counted and listed in the stats,
     # and the run stops (TooManySampleErrors) if more than 5 % of the epoch is unreadable.
-    loader = aioload.DataLoader(dataset, **settings, on_sample_error="skip", max_skipped=0.05)
+    loader = aioload.DataLoader(
+        dataset,
+        **settings,
+        worker_method=args.worker_method,
+        on_sample_error="skip",
+        max_skipped=0.05,
+    )
     trainer, aio_train = uvloop.run(train_epoch_async(loader))
     print()
     stats = loader.stats()
@@ -252,13 +280,13 @@ def main() -> None:
     torch_loader = torch.utils.data.DataLoader(dataset, **settings)
     _, torch_train = train_epoch_sync(torch_loader)
 
-    aio_load = load_only(aioload.DataLoader(dataset, **settings))
+    aio_load = load_only(aioload.DataLoader(dataset, **settings, worker_method=args.worker_method))
     torch_load = load_only(torch.utils.data.DataLoader(dataset, **settings))
 
     n = len(dataset)
     print(
         f"\n{n} JPEGs {IMAGE_SIDE}x{IMAGE_SIDE}, batch {args.batch_size}, "
-        f"{args.workers} workers, {os.cpu_count()} CPUs"
+        f"{args.workers} workers ({args.worker_method} for aioload), {os.cpu_count()} CPUs"
     )
     print(f"  {'images/s, from the first batch':<32} {'aioload':>10} {'torch':>10}")
     print(f"  {'train one epoch':<32} {aio_train:>8.0f}/s {torch_train:>8.0f}/s")
