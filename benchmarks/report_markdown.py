@@ -154,6 +154,14 @@ def _first_batch(meta: dict[str, Any], rows: list[SummaryRow]) -> list[str]:
             "over fresh processes).",
             "",
         ]
+    out += [
+        "`python -m benchmarks.startup` holds the fresh-process figure against torch's at each "
+        "worker count, under `for` and `async for`: it exits 1, with a FAIL line, when aioload's "
+        "first batch is over 0.8x torch's (the median of each round's ratio; aioload and torch "
+        "alternate, so each ratio is taken under the same load). `--max-ratio` moves the bound, "
+        "`--max-ratio 0` only prints the ratios.",
+        "",
+    ]
     return out
 
 

@@ -12,7 +12,10 @@ import pytest
 
 from benchmarks import threads
 
-pytestmark = pytest.mark.usefixtures("no_leaks")
+pytestmark = [
+    pytest.mark.usefixtures("no_leaks"),
+    pytest.mark.own_worker_method("the benchmark runs each worker method itself"),
+]
 
 
 def _row(workload: str, loader: str, ips: float, first: float, pss: int) -> dict[str, object]:
