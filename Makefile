@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint docs bench bench-sweep bench-auto bench-ray bench-gpu bench-cores test-gpu soak unit test-compat clean
+.PHONY: install run test test-integration lint docs bench bench-sweep bench-auto bench-ray bench-gpu bench-cores test-gpu soak unit test-compat clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,8 +43,15 @@ unit: install
 	$(PY) -m pytest
 
 # pytest checks the site that `docs` built (tests/docs/test_site.py) rather than building it again.
+# The slowest tests, apart: Ray in a loopback-only network namespace, the frameworks
+# (Lightning, accelerate, HF Trainer), and every example run as a user runs it.
+INTEGRATION := tests/ray tests/frameworks tests/docs/test_examples.py
+
 test: lint docs
-	AIOLOAD_BUILT_SITE=site $(PY) -m pytest
+	AIOLOAD_BUILT_SITE=site $(PY) -m pytest $(addprefix --ignore=,$(INTEGRATION))
+
+test-integration: install
+	$(PY) -m pytest $(INTEGRATION)
 
 # tests/conformance and a smoke subset (tools/compat/smoke.txt) against every torch release of
 # tools/compat/releases.txt, as users install them (the registry's CUDA builds, and the CPU
