@@ -13,7 +13,7 @@
    the readable files: one corrupt file would end torch's epoch). Each rate is timed from the
    pass's first batch on, so the workers' start is left out for both.
 
-aioload's workers are threads (``--worker-method`` chooses): the decoding releases the GIL.
+aioload's workers are processes; ``--worker-method thread`` runs them as threads.
 Options: ``--images``, ``--batch-size``, ``--workers``, ``--worker-method``, ``--data-dir``;
 run with ``--help``.
 With ``AIOLOAD_EXAMPLE_SMALL=1`` it runs on 64 images (the examples test does this).
@@ -43,9 +43,10 @@ IMAGE_SIDE = 96  # stored size
 # Images written corrupt on purpose (those below --images): two truncated, two not JPEGs.
 CORRUPT = {5: "truncated", 37: "garbage", 1001: "truncated", 1666: "garbage"}
 CROP_SIDE = 80  # what the network sees, after a random crop
-# Decoding a JPEG (Pillow) releases the GIL, so thread workers run it in parallel, with no
-# copy of the dataset and no shared memory per worker (docs/threads.md).
-WORKER_METHOD = "thread"
+# Worker processes: with two workers on two cores they decoded and augmented JPEGs faster
+# than threads did (docs/benchmarks.md, the jpeg rows of the thread-workers section).
+# `--worker-method thread` runs the same pipeline on threads (docs/threads.md).
+WORKER_METHOD = "multiprocessing"
 
 
 # -- 1. the images -------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 from typing import Any
 
@@ -21,14 +22,19 @@ import aioload
 from tests.helpers import run_on, within
 from tests.scripts.datasets import Scalars
 
-pytestmark = [pytest.mark.threads_pending, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.timeout(60)]
 
 BACKENDS = ["asyncio", "uvloop", "trio"]
 BODY_S = 0.005
 
 
-def _workers() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True) if p.is_running()]
+def _workers() -> list[object]:
+    """The workers running: child processes (their pids) and worker threads (the threads)."""
+    pids: list[object] = [
+        p.pid for p in psutil.Process().children(recursive=True) if p.is_running()
+    ]
+    threads = [t for t in threading.enumerate() if t.name.startswith("aioload-worker-")]
+    return pids + threads
 
 
 async def _workers_gone_within(seconds: float) -> bool:
@@ -141,6 +147,7 @@ def test_deadline_ends_the_pass_and_a_sibling_wakes_on_time(backend: str, no_lea
     assert gone, "workers still running after the cancellation"
 
 
+@pytest.mark.no_local_workers("num_workers=0: fetches in a thread of the calling process")
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_deadline_in_process(backend: str, no_leaks: None) -> None:
     """num_workers=0: each fetch runs in a thread; the deadline still lands within a batch
@@ -189,8 +196,10 @@ def test_cancel_while_waiting_for_workers_ends_the_pass(backend: str, no_leaks: 
 
 def test_native_asyncio_cancel_ends_the_pass(no_leaks: None) -> None:
     """``task.cancel()`` and ``wait_for``, which anyio's shield cannot hold off: the pass still
-    ends, at the start (pool being made in its thread), in the wait, and in the body."""
-    loader = aioload.DataLoader(Scalars(100_000), batch_size=4, num_workers=2)
+    ends, at the start (pool being made in its thread), in the wait, and in the body. (The
+    samples take 10 ms: thread workers start at once, and the first batch must still be on
+    its way 1 ms in.)"""
+    loader = aioload.DataLoader(Scalars(100_000, delay=0.01), batch_size=4, num_workers=2)
 
     async def main() -> list[bool]:
         gone: list[bool] = []
@@ -231,7 +240,7 @@ def test_native_asyncio_cancel_ends_the_pass(no_leaks: None) -> None:
 def test_persistent_workers_survive_a_cancelled_pass(backend: str, no_leaks: None) -> None:
     loader = aioload.DataLoader(Scalars(400), batch_size=4, num_workers=2, persistent_workers=True)
 
-    async def main() -> tuple[int, list[int], set[int], set[int]]:
+    async def main() -> tuple[int, list[int], set[object], set[object]]:
         cut = 0
         with anyio.CancelScope() as scope:
             async for _batch in loader:
@@ -239,11 +248,11 @@ def test_persistent_workers_survive_a_cancelled_pass(backend: str, no_leaks: Non
                 if cut == 10:
                     scope.cancel()  # reaches the pass at its next checkpoint
                 _body()
-        pids = {p.pid for p in _workers()}
+        pids = set(_workers())
         seen: list[int] = []
         async for batch in loader:
             seen.extend(int(i) for i in batch)
-        return cut, seen, pids, {p.pid for p in _workers()}
+        return cut, seen, pids, set(_workers())
 
     cut, seen, before, after = run_on(backend, main)
     loader.shutdown()
@@ -276,6 +285,7 @@ def test_dataset_error_leaves_the_pass_usable(backend: str, no_leaks: None) -> N
     assert len(errors) == 1 and "bad sample 9" in errors[0]
 
 
+@pytest.mark.no_local_workers("num_workers=0: the checkpoints of the iterator alone")
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_anext_and_aclose_are_checkpoints_after_the_end(backend: str) -> None:
     loader = aioload.DataLoader(Scalars(8), batch_size=4, num_workers=0)

@@ -25,9 +25,6 @@ import torch
 import aioload
 from tests.scripts.datasets import Squares
 
-pytestmark = pytest.mark.threads_pending
-
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -43,6 +40,9 @@ class Locked(Squares):
         self.lock = threading.Lock()
 
 
+@pytest.mark.processes_only(
+    "spawn pickles the collate_fn for each worker process; threads pickle nothing"
+)
 @pytest.mark.timeout(60)
 def test_a_lambda_collate_fn_under_spawn_is_named(stop_mp_helpers: None) -> None:
     loader = aioload.DataLoader(
@@ -63,6 +63,9 @@ def test_a_lambda_collate_fn_under_spawn_is_named(stop_mp_helpers: None) -> None
     assert type(caught.value.__cause__) is type(caught.value)
 
 
+@pytest.mark.processes_only(
+    "forkserver pickles worker_init_fn for each worker process; threads pickle nothing"
+)
 @pytest.mark.timeout(60)
 def test_a_local_worker_init_fn_under_forkserver_is_named(stop_mp_helpers: None) -> None:
     def init(worker_id: int) -> None:
@@ -81,6 +84,7 @@ def test_a_local_worker_init_fn_under_forkserver_is_named(stop_mp_helpers: None)
     assert str(caught.value).startswith("worker_init_fn cannot be pickled")
 
 
+@pytest.mark.processes_only("pickling the dataset for worker processes; threads share it")
 @pytest.mark.timeout(60)
 def test_an_unpicklable_dataset_keeps_picklings_type(stop_mp_helpers: None) -> None:
     loader = aioload.DataLoader(
@@ -115,6 +119,7 @@ SCRIPT_WITHOUT_GUARD = """
 """
 
 
+@pytest.mark.no_local_workers("a script of its own, whose spawned worker processes re-run it")
 @pytest.mark.timeout(120)
 def test_a_missing_main_guard_under_spawn_is_hinted(tmp_path: Path) -> None:
     script = tmp_path / "no_guard.py"

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import IterableDataset, SequentialSampler
+from torch.utils.data import Dataset, IterableDataset, SequentialSampler
 
 import aioload
 from tests.helpers import batches_and_errors, values, wait_no_children, within
@@ -34,7 +36,7 @@ from tests.scripts.datasets import (
     init_failing_on_worker_1,
 )
 
-pytestmark = [pytest.mark.threads_pending, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.timeout(60)]
 
 APIS = ["sync", "async"]
 
@@ -219,6 +221,7 @@ class KeyErrorAt(torch.utils.data.Dataset[torch.Tensor]):
         return torch.tensor([i])
 
 
+@pytest.mark.no_local_workers("num_workers=0: the caller runs the samples")
 @pytest.mark.parametrize("api", APIS)
 def test_getitem_error_without_workers_is_the_original_object(api: str, no_leaks: None) -> None:
     ds = FailingAt(6, bad=2)
@@ -228,6 +231,7 @@ def test_getitem_error_without_workers_is_the_original_object(api: str, no_leaks
     assert values(before) == [[0], [1]]
 
 
+@pytest.mark.no_local_workers("num_workers=0: the caller runs the samples")
 @pytest.mark.parametrize("api", APIS)
 def test_collate_error_without_workers_is_the_original_object(api: str, no_leaks: None) -> None:
     loader = aioload.DataLoader(Squares(12), batch_size=2, collate_fn=collate_failing_on_5)
@@ -390,24 +394,61 @@ def _epoch_recording(loader: Any, api: str, after_each: Callable[[list[Any]], No
 # -- timeouts --------------------------------------------------------------------------------
 
 
+# Lets a stuck sample go once its test has seen the timeout: a thread worker cannot be killed,
+# and an abandoned one still in its sample would outlive the test (a worker process is killed).
+_RELEASE = threading.Event()
+
+
+def _worker_place() -> str:
+    """Where this sample runs, as the loader's messages name it (``Place``): a worker
+    process by its pid, a worker thread by its name."""
+    name = threading.current_thread().name
+    return f"thread {name}" if name.startswith("aioload-worker-") else f"pid {os.getpid()}"
+
+
+class StuckAt(Dataset[torch.Tensor]):
+    """Waits up to ``seconds`` at index ``slow`` (for ``_RELEASE``, in a thread worker),
+    writing where it runs to ``marker`` first."""
+
+    def __init__(self, n: int, slow: int, seconds: float, marker: str) -> None:
+        self.n = n
+        self.slow = slow
+        self.seconds = seconds
+        self.marker = marker
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.slow:
+            Path(self.marker).write_text(_worker_place())
+            _RELEASE.wait(self.seconds)
+        return torch.tensor([i])
+
+
 @pytest.mark.parametrize("timeout, shown", [(0.5, "0.5"), (1, "1")])
 @pytest.mark.parametrize("api", APIS)
 def test_timeout_names_the_worker_and_its_indices(
     api: str, timeout: float, shown: str, tmp_path: Path, no_leaks: None
 ) -> None:
-    marker = tmp_path / "slow-pid"
-    ds = SlowAt(8, slow=0, seconds=20, marker=str(marker))
+    marker = tmp_path / "slow-place"
+    ds = StuckAt(8, slow=0, seconds=20, marker=str(marker))
     loader = aioload.DataLoader(ds, batch_size=2, num_workers=2, timeout=timeout)
+    _RELEASE.clear()
     started = time.monotonic()
-    exc, before, raised_at = _first_error(loader, api)
+    try:
+        exc, before, raised_at = _first_error(loader, api)
+    finally:
+        _RELEASE.set()
     assert before == []
     assert type(exc) is aioload.DataLoaderTimeoutError
     assert isinstance(exc, RuntimeError)
     assert exc.timeout == timeout
     message = str(exc)
     assert message.startswith(f"DataLoader timed out after {shown} seconds")
-    # Batch 0 ([0, 1]) is held by worker 0, whose pid the dataset wrote down.
-    assert f"pid {int(marker.read_text())}" in message
+    # Batch 0 ([0, 1]) is held by worker 0, whose place (its pid, or its thread's name) the
+    # dataset wrote down.
+    assert f"DataLoader worker 0, {marker.read_text()}," in message
     assert "[0, 1]" in message
     # Not before the timeout (the point); the upper bound is a hang guard (the sample takes 20 s).
     assert timeout * 0.9 <= raised_at - started < timeout + within(10)
@@ -438,6 +479,7 @@ def test_timeout_does_not_fire_on_a_slow_but_steady_epoch(api: str, no_leaks: No
     assert values(out) == [[i] for i in range(16)]
 
 
+@pytest.mark.no_local_workers("num_workers=0: refused before any worker starts")
 def test_timeout_without_workers_is_refused_like_torch() -> None:
     ds = Squares(4)
     with pytest.raises(AssertionError) as ref:
@@ -544,6 +586,7 @@ def _raised(ctor: Callable[..., Any], dataset: Any, kwargs: dict[str, Any]) -> t
     return type(info.value), str(info.value)
 
 
+@pytest.mark.no_local_workers("refused at construction: no worker starts")
 @pytest.mark.parametrize("case", list(VALIDATION))
 def test_argument_validation_matches_torch(case: str) -> None:
     dataset, kwargs = VALIDATION[case]
@@ -553,6 +596,7 @@ def test_argument_validation_matches_torch(case: str) -> None:
     assert (our_type, our_message) == (ref_type, ref_message)
 
 
+@pytest.mark.no_local_workers("num_workers=0: no worker starts")
 @pytest.mark.parametrize(
     "attr, value",
     [

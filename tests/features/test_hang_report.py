@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import threading
 import time
 from pathlib import Path
@@ -24,15 +25,26 @@ from torch.utils.data import Dataset
 import aioload
 from tests.helpers import run_on
 
-pytestmark = [pytest.mark.threads_pending, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.timeout(60)]
 
 THRESHOLD = 0.25
 SLOW_S = 0.8
 SLOW_INDEX = 5  # in batch 2 of batch_size 2: indices [4, 5]
 
 
+def _worker_place() -> str:
+    """Where this sample runs, as the report names it (``Place``): a worker process by its
+    pid, a worker thread by its name."""
+    name = threading.current_thread().name
+    return f"thread {name}" if name.startswith("aioload-worker-") else f"pid {os.getpid()}"
+
+
+def _place_file(flag: Path) -> Path:
+    return flag.with_name(flag.name + ".place")
+
+
 class SlowOnce(Dataset[int]):
-    """Index 5 sleeps ``slow_s`` while ``flag`` exists."""
+    """Index 5 sleeps ``slow_s`` while ``flag`` exists, writing where it runs next to it."""
 
     def __init__(self, flag: Path, slow_s: float = SLOW_S) -> None:
         self.flag = str(flag)
@@ -43,6 +55,7 @@ class SlowOnce(Dataset[int]):
 
     def __getitem__(self, index: int) -> int:
         if index == SLOW_INDEX and Path(self.flag).exists():
+            _place_file(Path(self.flag)).write_text(_worker_place())
             time.sleep(self.slow_s)  # the stack must show this line
         return index
 
@@ -88,12 +101,13 @@ class _StallSeen:
         return self.seen
 
 
-def _check_report(message: str, stalled: dict[str, Any] | None, worker: int | None) -> None:
+def _check_report(message: str, stalled: dict[str, Any] | None, worker: str | None) -> None:
+    """``worker``: "N (place)", the worker and where it runs; None: the calling process."""
     assert stalled is not None
     assert stalled["batch"] == 2 and stalled["indices"] == [4, 5]
-    assert stalled["worker"] == worker
+    assert stalled["worker"] == (None if worker is None else int(worker.split()[0]))
     assert "with indices [4, 5]" in message and "for batch 2, and still waits" in message
-    holder = "The calling process" if worker is None else f"DataLoader worker {worker} (pid "
+    holder = "The calling process" if worker is None else f"DataLoader worker {worker}"
     assert holder in message
     stack = stalled["stack"]
     assert stack is not None and "__getitem__" in stack and "test_hang_report.py" in stack
@@ -130,13 +144,16 @@ def test_a_worker_in_a_slow_sample_is_reported_once_with_its_stack(
     # Seen while the consumer waited, and kept after the batch arrived.
     assert seen is not None and seen["waiting"] and seen["waited_s"] >= THRESHOLD
     after = loader.stats().stalled
-    _check_report(message, after, worker=0)
+    # Worker 0 (its pid, or its thread's name), as the dataset wrote it down.
+    place = _place_file(flag).read_text()
+    _check_report(message, after, worker=f"0 ({place})")
     assert after is not None and not after["waiting"]
-    assert after["waited_s"] >= seen["waited_s"] and after["where"].startswith("pid ")
-    assert "stalled (hang_report_after): batch 2 from worker 0 (pid " in str(loader.stats())
+    assert after["waited_s"] >= seen["waited_s"] and after["where"] == place
+    assert f"stalled (hang_report_after): batch 2 from worker 0 ({place})" in str(loader.stats())
     assert json.loads(json.dumps(loader.stats().as_dict()))["stalled"] == after
 
 
+@pytest.mark.no_local_workers("num_workers=0: the calling process runs the samples")
 @pytest.mark.parametrize("front", ["sync", "asyncio"])
 def test_the_calling_process_in_a_slow_sample_is_reported_once(
     front: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, no_leaks: None
@@ -157,6 +174,7 @@ def test_the_calling_process_in_a_slow_sample_is_reported_once(
     assert "time.sleep(self.slow_s)" in stalled["stack"]
 
 
+@pytest.mark.no_local_workers("num_workers=0: the calling process runs the samples")
 def test_no_report_when_turned_off(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     flag = tmp_path / "slow"
     flag.touch()
@@ -168,17 +186,20 @@ def test_no_report_when_turned_off(tmp_path: Path, caplog: pytest.LogCaptureFixt
     assert _reports(caplog) == []
 
 
+@pytest.mark.no_local_workers("no worker starts: the argument alone")
 def test_the_default_is_a_minute() -> None:
     loader = aioload.DataLoader(list(range(4)))
     assert loader.hang_report_after == 60.0
 
 
+@pytest.mark.no_local_workers("no worker starts: the argument alone")
 @pytest.mark.parametrize("value", [0, -1, True, "60", float("nan")])
 def test_hang_report_after_refuses_what_is_not_seconds(value: Any) -> None:
     with pytest.raises(ValueError, match="hang_report_after option should be None or a pos"):
         aioload.DataLoader(list(range(4)), hang_report_after=value)
 
 
+@pytest.mark.no_local_workers("num_workers=0: the calling process runs the samples")
 @pytest.mark.parametrize("value", [None, 0.5, 5, math.inf])
 def test_hang_report_after_takes_seconds_or_none(value: Any) -> None:
     loader = aioload.DataLoader(list(range(4)), hang_report_after=value)
@@ -186,6 +207,7 @@ def test_hang_report_after_takes_seconds_or_none(value: Any) -> None:
     assert [int(b) for b in loader] == [0, 1, 2, 3]
 
 
+@pytest.mark.no_local_workers("num_workers=0: the calling process runs the samples")
 def test_an_unreadable_stack_still_reports(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

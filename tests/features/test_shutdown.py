@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,28 +28,12 @@ import pytest
 import torch
 
 import aioload
-from tests.helpers import (
-    alive,
-    children,
-    run_on,
-    values,
-    wait_gone,
-    wait_no_children,
-    wait_until,
-    within,
-)
-from tests.scripts.datasets import (
-    DistinctiveError,
-    FailingAt,
-    LazyFile,
-    Noisy,
-    Pids,
-    Slow,
-    SlowAt,
-    Squares,
-)
+from tests import helpers
+from tests.helpers import alive, run_on, values, wait_until, within
+from tests.scripts import datasets
+from tests.scripts.datasets import DistinctiveError, FailingAt, LazyFile, Noisy, Squares
 
-pytestmark = [pytest.mark.threads_pending, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.timeout(60)]
 
 APIS = ["sync", "async"]
 SCRIPTS = Path(__file__).parents[1] / "scripts"
@@ -57,6 +41,91 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
+# Ends the samples that sleep "for longer than the test runs" once the test has seen what it
+# checks: a worker process in one is killed, but a thread worker cannot be, and an abandoned one
+# still in its sample would outlive the test. (A worker process has its own copy: this event
+# never wakes it.)
+_RELEASE = threading.Event()
+
+
+@pytest.fixture
+def no_leaks(no_leaks: None) -> Iterator[None]:
+    """The leak check (tests/conftest.py), with every stuck sample let go before it."""
+    _RELEASE.clear()
+    yield
+    _RELEASE.set()
+
+
+def _thread_number(thread: threading.Thread) -> int | None:
+    """A worker thread as a number no pid and no other thread has: minus its serial (its
+    name's last part; a thread's ident is reused once it ends)."""
+    if not thread.name.startswith("aioload-worker-"):
+        return None
+    return -int(thread.name.rsplit("-", 1)[1]) - 1
+
+
+def _me() -> int:
+    """The worker a sample runs in: its thread's number in a thread worker, else its pid."""
+    number = _thread_number(threading.current_thread())
+    return os.getpid() if number is None else number
+
+
+def _worker_threads() -> list[int]:
+    return [n for t in threading.enumerate() if (n := _thread_number(t)) is not None]
+
+
+def children() -> list[int]:
+    """The workers running: this process's descendants (pids) and its worker threads (their
+    numbers), whichever the loader's workers are."""
+    return helpers.children() + _worker_threads()
+
+
+def wait_gone(workers: list[int] | set[int], timeout: float = 5.0) -> list[int]:
+    """The workers (pids or thread numbers) still running after up to ``within(timeout)``
+    seconds."""
+    deadline = time.monotonic() + within(timeout)
+    while True:
+        threads = set(_worker_threads())
+        left = [w for w in workers if w in threads] + alive([w for w in workers if w > 0])
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.02)
+
+
+def wait_no_children(timeout: float = 5.0) -> list[int]:
+    """The workers (pids or thread numbers) still running after up to ``within(timeout)``
+    seconds."""
+    deadline = time.monotonic() + within(timeout)
+    while (left := children()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return left
+
+
+class Pids(datasets.Pids):
+    """``[i, the worker that made it]`` (``_me``)."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i, _me()])
+
+
+class Slow(datasets.Slow):
+    """Every sample takes ``seconds`` (or until ``_RELEASE``); ``[i, the worker]``."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        _RELEASE.wait(self.seconds)
+        return torch.tensor([i, _me()])
+
+
+class SlowAt(datasets.SlowAt):
+    """Waits ``seconds`` (or until ``_RELEASE``) at index ``slow``, touching ``marker`` first."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.slow:
+            if self.marker is not None:
+                Path(self.marker).write_text(str(_me()))
+            _RELEASE.wait(self.seconds)
+        return torch.tensor([i])
 
 
 def _epoch(loader: Any, api: str) -> list[Any]:
@@ -202,6 +271,8 @@ def test_wait_for_timeout_cancels_the_pass(backend: str, no_leaks: None) -> None
     assert got == []  # every sample takes 30 s: the cancellation did not wait for one
     assert elapsed < within(5)  # a hang guard: a cancellation stuck behind a sample waits 30 s
     gc.collect()
+    # A thread worker cannot be killed: it leaves once its stuck sample ends.
+    _RELEASE.set()
     assert wait_no_children() == []
 
 
@@ -307,6 +378,8 @@ def test_break_while_a_worker_is_stuck(api: str, how: str, tmp_path: Path, no_le
     # Shutdown waits a short grace period, then SIGKILLs the stuck worker (a hang guard: the
     # worker would sleep 30 s; that the worker is gone is checked below).
     assert elapsed < within(5)
+    # A thread worker cannot be killed: it leaves once its stuck sample ends.
+    _RELEASE.set()
     assert wait_no_children(timeout=0.5) == []
 
 
@@ -360,6 +433,8 @@ def test_an_error_out_of_the_event_loop_stops_the_workers(
         except (aioload.DataLoaderTimeoutError, DistinctiveError) as exc:
             no_gc.kept.append(exc)
         assert len(no_gc.kept) == 1
+        # A thread worker cannot be killed: it leaves once its stuck sample ends.
+        _RELEASE.set()
         assert wait_no_children() == []
 
 
@@ -389,6 +464,8 @@ def test_an_error_out_of_a_for_loop_stops_the_workers(
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
         assert len(no_gc.kept) == 1
+        # A thread worker cannot be killed: it leaves once its stuck sample ends.
+        _RELEASE.set()
         assert wait_no_children() == []
 
 
@@ -451,6 +528,7 @@ def _forked(case: str, persistent: bool) -> tuple[dict[str, Any], str]:
 _PAIRS = [[i, i + 1] for i in range(0, 40, 2)]
 
 
+@pytest.mark.no_local_workers("a script of its own (tests/scripts/forked.py) runs the loader")
 @pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
 @pytest.mark.parametrize("case", ["exit", "same", "new"])
 def test_a_fork_in_user_code_leaves_the_parents_pass_whole(
@@ -471,6 +549,7 @@ def test_a_fork_in_user_code_leaves_the_parents_pass_whole(
         assert result["child"] == {"batches": _PAIRS}
 
 
+@pytest.mark.no_local_workers("a script of its own (tests/scripts/forked.py) runs the loader")
 def test_a_fork_inside_a_worker_never_answers_for_it(no_leaks: None) -> None:
     """A dataset forks in ``__getitem__`` and the copy returns into the worker's loop: it used
     to take and answer tasks on the worker's socket (a batch made by the copy reached the
@@ -621,6 +700,7 @@ def test_persistent_workers_after_a_break(api: str, no_leaks: None) -> None:
 # -- the parent dies -------------------------------------------------------------------------
 
 
+@pytest.mark.processes_only("SIGKILL of the parent, whose worker processes must leave")
 # Each start method once, and each API once: how the workers notice the death depends on how
 # they were started (under forkserver, they are the fork server's children, not the script's;
 # under ``async for`` they are forked from short-lived threads, and the kernel's death signal,
@@ -700,6 +780,9 @@ def _fork_batches() -> list[list[list[int]]]:
     return [b.tolist() for b in _noisy_loader(aioload.DataLoader, multiprocessing_context="fork")]
 
 
+@pytest.mark.processes_only(
+    "start methods, and the process-wide generators reseeded per worker (Noisy)"
+)
 def test_fork_batches_match_torch(no_leaks: None) -> None:
     # The reference the other start methods are held to; per-worker seeds included.
     ref = [b.tolist() for b in _noisy_loader(torch.utils.data.DataLoader)]
@@ -707,6 +790,7 @@ def test_fork_batches_match_torch(no_leaks: None) -> None:
     assert _fork_batches() == ref
 
 
+@pytest.mark.processes_only("start methods: how a worker process starts")
 # Each start method once, each API once, and the context both by name (under ``for``) and as a
 # context object (under ``async for``): the start method decides how the dataset and the
 # seeds reach a worker; the API only how batches are taken from it.
@@ -729,6 +813,7 @@ def test_start_methods_give_the_same_batches_as_fork(
     assert got == expected
 
 
+@pytest.mark.processes_only("start methods: how a worker process starts")
 # The pool is kept the same way whatever started it: one start method other than fork (spawn
 # is in the test above).
 @pytest.mark.parametrize("context", ["forkserver"])
@@ -751,6 +836,7 @@ def test_start_methods_persistent_workers(context: str, stop_mp_helpers: None) -
 # -- an abandoned pass in a later worker -----------------------------------------------------
 
 
+@pytest.mark.processes_only("a worker process forked with a copy of an abandoned pass")
 def test_abandoned_pass_is_not_finalized_inside_a_later_worker(
     tmp_path: Path, no_leaks: None
 ) -> None:
