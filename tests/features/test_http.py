@@ -237,6 +237,10 @@ def test_sync_dataset_connection_reset(server: tuple[FileServer, list[str]]) -> 
     _check([next(it)], list(range(4)))
     with pytest.raises(httpx.TransportError, match="in DataLoader worker process 1"):
         next(it)
+    # Thread workers' clients live in this process, in the one dataset object: once the
+    # workers have stopped, close them (a worker process's go with it).
+    it.close()
+    dataset.close()
 
 
 def test_stalled_server_times_out_and_workers_shut_down(
