@@ -42,8 +42,15 @@ from benchmarks._one import loader_stats
 ROOT = Path(__file__).resolve().parents[1]
 SIGMAS = (0.0, 0.5, 1.0)
 WORKERS = (2, 8, 14)
-# (loader, in_order): aioload in order and not, torch in order and not.
-LOADERS = (("aioload", True), ("aioload", False), ("torch", True), ("torch", False))
+# (loader, in_order, seed_per_sample): aioload in order (with torch's round robin, and with
+# seed_per_sample, where tasks go to the least busy worker) and not; torch in order and not.
+LOADERS = (
+    ("aioload", True, False),
+    ("aioload", True, True),
+    ("aioload", False, False),
+    ("torch", True, False),
+    ("torch", False, False),
+)
 BEGIN, END = "<!-- uneven:start (make bench writes this section) -->", "<!-- uneven:end -->"
 
 
@@ -83,8 +90,10 @@ class WarmupSampler(Sampler[int]):
         return iter(range(self.warmup if self.passes == 1 else self.n))
 
 
-def run_one(loader: str, in_order: bool, workers: int, sigma: float, args: Any) -> dict[str, Any]:
+def run_one(config: dict[str, Any], args: Any) -> dict[str, Any]:
     """One configuration, in this process: the second pass's time against the floor's."""
+    loader, in_order = config["loader"], config["in_order"]
+    workers, sigma = config["workers"], config["sigma"]
     n = args.per_worker * workers
     times = sleep_times(n, sigma, args.mean_ms / 1e3, seed=args.seed)
     dataset = UnevenDataset(times)
@@ -93,6 +102,8 @@ def run_one(loader: str, in_order: bool, workers: int, sigma: float, args: Any) 
     else:
         from torch.utils.data import DataLoader as cls  # type: ignore[assignment]
     kwargs: dict[str, Any] = {"in_order": in_order}
+    if config.get("seed_per_sample"):
+        kwargs["seed_per_sample"] = True
     dl = cls(
         dataset,
         batch_size=1,
@@ -147,16 +158,22 @@ def child(config: dict[str, Any], args: Any) -> dict[str, Any]:
 
 def grid(args: Any) -> list[dict[str, Any]]:
     return [
-        {"loader": loader, "in_order": in_order, "workers": w, "sigma": s}
+        {"loader": loader, "in_order": in_order, "seed_per_sample": sps, "workers": w, "sigma": s}
         for s in args.sigmas
         for w in args.workers
-        for loader, in_order in LOADERS
+        for loader, in_order, sps in LOADERS
         if loader in args.loaders
     ]
 
 
 def _key(config: dict[str, Any]) -> tuple[Any, ...]:
-    return (config["sigma"], config["workers"], config["loader"], config["in_order"])
+    return (
+        config["sigma"],
+        config["workers"],
+        config["loader"],
+        config["in_order"],
+        bool(config.get("seed_per_sample")),
+    )
 
 
 def measure(args: Any) -> dict[str, Any]:
@@ -170,7 +187,8 @@ def measure(args: Any) -> dict[str, Any]:
             note = f"{share:6.1%}" if share is not None else result.get("error", "?")
             print(
                 f"round {round_ + 1}: sigma={config['sigma']:<4} workers={config['workers']:<3}"
-                f" {config['loader']:<8} in_order={config['in_order']!s:<6} {note}",
+                f" {config['loader']:<8} in_order={config['in_order']!s:<6}"
+                f" seed_per_sample={config['seed_per_sample']!s:<6} {note}",
                 flush=True,
             )
     rows = []
@@ -183,8 +201,14 @@ def measure(args: Any) -> dict[str, Any]:
                 values = [r[name] for r in done if r.get(name) is not None]
                 row[name] = statistics.median(values) if values else None
         rows.append(row)
+    from benchmarks.threads import _commit, _machine
+
     return {
         "command": " ".join(["python -m benchmarks.uneven", *args.argv]),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "commit": _commit(),
+        "machine": {**_machine(), "load_average": f"{os.getloadavg()[0]:.1f} at the end"},
+        "seed": args.seed,
         "per_worker": args.per_worker,
         "mean_ms": args.mean_ms,
         "rounds": args.rounds,
@@ -192,6 +216,15 @@ def measure(args: Any) -> dict[str, Any]:
         "aioload_root": args.aioload_root,
         "rows": rows,
     }
+
+
+def round_robin_bound(sigma: float, workers: int, result: dict[str, Any]) -> float:
+    """The best share of the floor any loader can reach with torch's round robin: each worker
+    fetches every ``workers``-th sample, whatever it costs, so the pass lasts at least as long
+    as the slowest worker's share of the drawn times."""
+    n = result["per_worker"] * workers
+    times = sleep_times(n, sigma, result["mean_ms"] / 1e3, seed=result.get("seed", 0))
+    return (sum(times) / workers) / max(sum(times[w::workers]) for w in range(workers))
 
 
 def _cell(rows: dict[tuple[Any, ...], dict[str, Any]], key: tuple[Any, ...]) -> str:
@@ -205,16 +238,30 @@ def table(result: dict[str, Any]) -> str:
     """The markdown table: one line per (sigma, workers), one column per loader and order."""
     rows = {_key(r): r for r in result["rows"]}
     pairs = sorted({(r["sigma"], r["workers"]) for r in result["rows"]})
-    head = "| sigma | workers | aioload, in order | aioload, `in_order=False` | torch, in order "
-    head += "| torch, `in_order=False` | aioload in order: busy, waiting in order (mean) |"
-    lines = [head, "|---|---|---|---|---|---|---|"]
+    head = "| sigma | workers | round-robin bound | aioload, in order "
+    head += "| aioload, in order, `seed_per_sample` "
+    head += "| aioload, `in_order=False` | torch, in order | torch, `in_order=False` "
+    head += "| aioload in order: busy, waiting in order (mean) |"
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for sigma, workers in pairs:
-        cells = [_cell(rows, (sigma, workers, loader, order)) for loader, order in LOADERS]
-        aio = rows.get((sigma, workers, "aioload", True), {})
+        cells = [f"{round_robin_bound(sigma, workers, result):.0%}"]
+        cells += [_cell(rows, (sigma, workers, *loader)) for loader in LOADERS]
+        aio = rows.get((sigma, workers, "aioload", True, False), {})
         busy, wait = aio.get("busy_share"), aio.get("waiting_in_order_mean")
         detail = "-" if busy is None else f"{busy:.0%}, {wait:.1f}"
         lines.append(f"| {sigma:g} | {workers} | " + " | ".join(cells) + f" | {detail} |")
     return "\n".join(lines)
+
+
+def _provenance(result: dict[str, Any]) -> str:
+    machine = result.get("machine")
+    if not machine:
+        return f"{result['cores']} cores."
+    return (
+        f"{machine['cores']} cores ({machine['cpu']}), Python {machine['python']},"
+        f" torch {machine['torch']}, load average {machine['load_average']};"
+        f" {result['date']}, commit `{result['commit']}`."
+    )
 
 
 def section(result: dict[str, Any]) -> str:
@@ -227,9 +274,16 @@ def section(result: dict[str, Any]) -> str:
             f" spread sigma), `batch_size=1`, persistent workers, the second pass timed,"
             f" {result['per_worker']} samples per worker. Each figure is the share of the floor"
             " (the samples' total sleep over `num_workers`: no worker waiting on another),"
-            f" the median of {result['rounds']} alternating rounds on {result['cores']} cores."
+            f" the median of {result['rounds']} alternating rounds."
             " In order, aioload's workers run ahead of a late batch within a memory bound"
-            " ([Tuning](tuning.md#run-ahead)); torch's wait once the prefetch window is full.",
+            " ([Tuning](tuning.md#run-ahead)); torch's wait once the prefetch window is full."
+            " With torch's round robin each worker fetches a fixed share of the samples, so no"
+            " loader can beat the *round-robin bound*: the floor over the slowest share's time,"
+            " computed from the drawn times. With `seed_per_sample` a batch does not depend on"
+            " the worker that fetches it, and aioload sends each task to the least busy worker"
+            " ([Tuning](tuning.md#run-ahead)), still yielding in order.",
+            "",
+            _provenance(result),
             "",
             table(result),
             "",
@@ -289,9 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.one is not None:
         config = json.loads(args.one)
-        result = run_one(
-            config["loader"], config["in_order"], config["workers"], config["sigma"], args
-        )
+        result = run_one(config, args)
         print(json.dumps(result))
         return 0
     result = measure(args)

@@ -17,7 +17,9 @@ The sync front end drives the same orchestrator without an event loop where it c
 
 Worker assignment follows torch's DataLoader (round robin over active workers, and with
 ``in_order=False`` a per-worker cap), so each index lands on the same worker id as it would under
-torch, and datasets with per-worker random augmentation produce the same batches.
+torch, and datasets with per-worker random augmentation produce the same batches. The one
+exception is in order with ``seed_per_sample``, where the worker changes nothing in a batch and
+tasks go to the least busy worker (NOTE [balanced in order]).
 """
 
 from __future__ import annotations
@@ -137,6 +139,7 @@ class Orchestrator:
         self._tuning = setup.tuning
         self._concurrency: int | None = None
         self._in_order = setup.in_order
+        self._pick = _pick_rule(setup)  # which worker a task goes to
         self._timeout = setup.timeout
         self._owns_backend = owns_backend
         self.stats = stats if stats is not None else PassStats(num_workers, False, False)
@@ -437,8 +440,8 @@ class Orchestrator:
         while not self._sampler_done and (
             ledger.unyielded < self._capacity if more is None else more()
         ):
-            worker_id, self._next_worker = _pick_worker(
-                ledger, self._next_worker, self._slots, self._in_order, self._capacity
+            worker_id, self._next_worker = self._pick(
+                ledger, self._next_worker, self._slots, self._capacity
             )
             if worker_id is None:
                 ledger.round_robin_at(self._next_worker)
@@ -590,22 +593,77 @@ def _disown_after_fork() -> None:
 os.register_at_fork(after_in_child=_disown_after_fork)
 
 
-def _pick_worker(
-    ledger: Ledger, cursor: int, slots: int, in_order: bool, capacity: int
-) -> tuple[int | None, int]:
-    """The worker the next task goes to, by torch's rule, and where the round robin stands
-    after it (``cursor``: where it stood): the next active worker in the cycle; with
-    in_order=False also one that holds fewer than its share of the prefetch budget. (Among
-    the first ``slots`` workers: num_workers="auto" may use fewer than it has.)"""
-    active = 0 if in_order else sum(ledger.active[:slots])
+def _pick_rule(setup: PassSetup) -> Callable[[Ledger, int, int, int], tuple[int | None, int]]:
+    """How the pass picks the worker the next task goes to: torch's round robin in order,
+    with a per-worker cap out of order, and the least busy worker in order where the worker
+    changes nothing in a batch (NOTE [balanced in order])."""
+    if balanced_in_order(setup):
+        return _least_busy
+    return _round_robin if setup.in_order else _capped_round_robin
+
+
+def _round_robin(ledger: Ledger, cursor: int, slots: int, capacity: int) -> tuple[int | None, int]:
+    """torch's rule in order: the next active worker in the cycle, and where the round robin
+    stands after it (``cursor``: where it stood). (Among the first ``slots`` workers:
+    num_workers="auto" may use fewer than it has.)"""
     for _ in range(slots):
         worker_id = cursor if cursor < slots else 0
         cursor = (worker_id + 1) % slots
-        if ledger.active[worker_id] and (
-            in_order or ledger.per_worker[worker_id] < capacity // active
-        ):
+        if ledger.active[worker_id]:
             return worker_id, cursor
     return None, cursor
+
+
+def _capped_round_robin(
+    ledger: Ledger, cursor: int, slots: int, capacity: int
+) -> tuple[int | None, int]:
+    """torch's rule with in_order=False: the next active worker in the cycle that holds fewer
+    than its share of the prefetch budget."""
+    active = sum(ledger.active[:slots])
+    for _ in range(slots):
+        worker_id = cursor if cursor < slots else 0
+        cursor = (worker_id + 1) % slots
+        if ledger.active[worker_id] and ledger.per_worker[worker_id] < capacity // active:
+            return worker_id, cursor
+    return None, cursor
+
+
+def balanced_in_order(setup: PassSetup) -> bool:
+    """NOTE [balanced in order]: in order, torch gives task ``k`` to worker ``k % n`` (round
+    robin), whatever each worker still holds. That keeps per-worker randomness as torch's, but
+    it also fixes each worker's share of the pass: with uneven sample times the pass lasts as
+    long as its slowest share, however far the others run ahead (run-ahead cannot help past
+    that; lognormal times of spread 1 over 8 workers lose about a sixth of the floor that way).
+
+    With ``seed_per_sample``, what a sample's augmentation draws from ``random``, numpy and
+    torch is seeded from the sample's own index, not from the worker, so which worker fetches
+    a batch changes nothing in it. There, in order, each task goes to the active worker with
+    the fewest unanswered tasks (``_least_busy``), as with ``in_order=False``, while batches
+    are still yielded in the sampler's order. Not for an IterableDataset: each worker has its
+    own stream, and which stream a batch comes from is what it holds."""
+    progress = setup.progress
+    return (
+        setup.in_order
+        and setup.traits.runs_ahead
+        and progress.sample_seed is not None
+        and not progress.iterable
+    )
+
+
+def _least_busy(ledger: Ledger, cursor: int, slots: int, capacity: int) -> tuple[int | None, int]:
+    """NOTE [balanced in order]: the active worker (of the first ``slots``) with the fewest
+    unanswered tasks, the first such from ``cursor`` on, and the cursor after it."""
+    unanswered, active = ledger.unanswered, ledger.active
+    best, fewest = None, math.inf
+    for step in range(slots):
+        worker_id = (cursor + step) % slots
+        if active[worker_id] and unanswered[worker_id] < fewest:
+            best, fewest = worker_id, unanswered[worker_id]
+            if not fewest:
+                break
+    if best is None:
+        return None, cursor
+    return best, (best + 1) % slots
 
 
 def _run_ahead(setup: PassSetup, ledger: Ledger, stats: PassStats, capacity: int) -> RunAhead:

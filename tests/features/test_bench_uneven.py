@@ -33,7 +33,7 @@ def test_the_warmup_sampler_makes_the_first_pass_short() -> None:
 def _uneven_result() -> dict[str, object]:
     rows = []
     for sigma in (0.0, 1.0):
-        for loader, in_order in uneven.LOADERS:
+        for loader, in_order, seed_per_sample in uneven.LOADERS:
             share = 0.9 if loader == "aioload" else 0.4
             rows.append(
                 {
@@ -41,6 +41,7 @@ def _uneven_result() -> dict[str, object]:
                     "workers": 8,
                     "loader": loader,
                     "in_order": in_order,
+                    "seed_per_sample": seed_per_sample,
                     "share": share,
                     "busy_share": 0.95 if loader == "aioload" else None,
                     "waiting_in_order_mean": 3.0 if loader == "aioload" else None,
@@ -62,10 +63,10 @@ def test_the_uneven_section_is_written_in_place_and_kept_by_make_bench(tmp_path:
     uneven.write_docs(page, _uneven_result())
     text = page.read_text()
     assert "OLD" not in text and text.endswith("after\n")
-    assert "| 1 | 8 | 90% | 90% | 40% | 40% | 95%, 3.0 |" in text
+    assert "| 1 | 8 | 84% | 90% | 90% | 90% | 40% | 40% | 95%, 3.0 |" in text
     # make bench rewrites the page around it, and keeps it.
     kept = report.keep_section(text, "# B, regenerated\n", report.UNEVEN_BEGIN, report.UNEVEN_END)
-    assert "| 1 | 8 | 90% |" in kept and kept.rstrip().endswith(uneven.END)
+    assert "| 1 | 8 | 84% | 90% |" in kept and kept.rstrip().endswith(uneven.END)
 
 
 def test_the_quick_grids_are_small() -> None:

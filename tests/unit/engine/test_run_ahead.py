@@ -154,13 +154,13 @@ class _Where(torch.utils.data.Dataset[torch.Tensor]):
         return torch.tensor([index, -1 if info is None else info.id, random.randrange(1 << 30)])
 
 
-def _loader(fake: FakeWorkers) -> aioload.DataLoader:
+def _loader(fake: FakeWorkers, seed_per_sample: bool = True) -> aioload.DataLoader:
     return aioload.DataLoader(
         _Where(),
         batch_size=1,
         num_workers=3,
         shuffle=True,
-        seed_per_sample=True,
+        seed_per_sample=seed_per_sample,
         generator=torch.Generator().manual_seed(11),
         workers=fake,
     )
@@ -170,20 +170,55 @@ def test_a_checkpoint_taken_while_batches_wait_ahead_resumes_exactly(front: str)
     # Batch SLOW is late; once it is handed over, the batches its siblings ran ahead to are
     # waiting in the reorder buffer. The checkpoint records only what was yielded: a resumed
     # loader yields the rest, each batch once, as the uninterrupted pass does.
-    fake = FakeWorkers(delay=_late_head, serial=True)
-    whole = [b.tolist() for b in _loader(fake)]
-    loader = _loader(FakeWorkers(delay=_late_head, serial=True))
-    it = iter(loader)
-    head = [next(it).tolist() for _ in range(SLOW + 1)]
-    stats = loader.stats()
-    assert stats.run_ahead_peak > 0 and stats.waiting_in_order > 0, "taken mid-run-ahead"
-    state = loader.state_dict()
-    del it
-    resumed = _loader(FakeWorkers(delay=_late_head, serial=True))
-    resumed.load_state_dict(state)
-    tail = [b.tolist() for b in resumed]
-    assert head + tail == whole
-    assert len(whole) == 40
+    # With seed_per_sample the tasks go to the least busy worker (NOTE [balanced in order]),
+    # which depends on timing: [index, random draw] must match. Without it, torch's round
+    # robin: [index, worker id] match (the draws come from each worker's own generators,
+    # which a resumed pass does not replay).
+    for seed_per_sample in (True, False):
+        fake = FakeWorkers(delay=_late_head, serial=True)
+        whole = [b[0].tolist() for b in _loader(fake, seed_per_sample)]
+        loader = _loader(FakeWorkers(delay=_late_head, serial=True), seed_per_sample)
+        it = iter(loader)
+        head = [next(it)[0].tolist() for _ in range(SLOW + 1)]
+        stats = loader.stats()
+        assert stats.run_ahead_peak > 0 and stats.waiting_in_order > 0, "taken mid-run-ahead"
+        state = loader.state_dict()
+        del it
+        resumed = _loader(FakeWorkers(delay=_late_head, serial=True), seed_per_sample)
+        resumed.load_state_dict(state)
+        tail = [b[0].tolist() for b in resumed]
+        if seed_per_sample:
+            assert [[i, r] for i, _, r in head + tail] == [[i, r] for i, _, r in whole]
+        else:
+            assert [[i, w] for i, w, _ in head + tail] == [[i, w] for i, w, _ in whole]
+        assert len(whole) == 40 and sorted(i for i, _, _ in whole) == list(range(40))
+
+
+def _slow_index(task_id: int) -> float:
+    # Every third task is slow: under round robin they all land on worker 0.
+    return 0.05 if task_id % 3 == 0 else 0.002
+
+
+@pytest.mark.parametrize("seed_per_sample", [True, False])
+def test_with_seed_per_sample_in_order_tasks_go_to_the_least_busy_worker(
+    seed_per_sample: bool,
+) -> None:
+    # NOTE [balanced in order]: with seed_per_sample a batch does not depend on its worker, so
+    # in order the tasks go to whichever worker holds the fewest; batches still come in the
+    # sampler's order, each once, with the same per-sample draws. Without it, torch's round
+    # robin: each worker fetches its fixed third, whatever it costs.
+    got = [
+        b[0].tolist() for b in _loader(FakeWorkers(delay=_slow_index, serial=True), seed_per_sample)
+    ]
+    reference = [b[0].tolist() for b in _loader(FakeWorkers(serial=True), seed_per_sample)]
+    assert [[i, r] for i, _, r in got] == [[i, r] for i, _, r in reference]
+    assert sorted(i for i, _, _ in got) == list(range(40))
+    slow_on = {w for k, (_, w, _) in enumerate(got) if k % 3 == 0}
+    if seed_per_sample:
+        assert len(slow_on) > 1, "the slow tasks went to the workers that were free"
+    else:
+        assert slow_on == {0}
+        assert [w for _, w, _ in got] == [k % 3 for k in range(40)]
 
 
 def test_batch_bytes_is_an_estimate_that_never_raises() -> None:
