@@ -70,7 +70,7 @@ test-compat:
 bench: install
 	$(PY) -m compileall -q aioload
 	$(PY) -m benchmarks
-	$(PY) -m benchmarks.seeding --json docs/seeding.json
+	$(PY) -m benchmarks.seeding --json docs/seeding.json --notes docs/benchmark-notes.md
 	$(PY) -m benchmarks.uneven --json docs/benchmarks-uneven.json --docs docs/benchmarks.md
 	$(PY) -m benchmarks.threads --json docs/benchmarks-threads.json --docs docs/benchmarks.md
 

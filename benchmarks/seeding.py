@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -81,7 +83,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--notes", help="write the table into this page's seeding block")
     args = parser.parse_args()
+
+    from benchmarks.threads import _commit, _machine
 
     results: dict[str, Any] = {"seeding_us_per_sample": round(seeding_cost_us(), 2)}
     for name, dataset, batch_size in (
@@ -99,11 +104,55 @@ def main() -> None:
             "on_over_off": round(on / off, 3),
             "runs": args.runs,
         }
+    results["machine"] = {**_machine(), "load_average": f"{os.getloadavg()[0]:.1f} at the end"}
+    results["date"] = time.strftime("%Y-%m-%d", time.gmtime())
+    results["commit"] = _commit()
     text = json.dumps(results, indent=2)
     print(text)
     if args.json:
         with open(args.json, "w") as out:
             out.write(text + "\n")
+    if args.notes:
+        write_notes(Path(args.notes), results)
+
+
+NOTES_BEGIN = "<!-- seeding:begin (from docs/seeding.json) -->"
+NOTES_END = "<!-- seeding:end -->"
+
+
+def notes_block(results: dict[str, Any]) -> str:
+    """The benchmark notes' table of a run, with where and when it ran, and the per-sample
+    differences worked out from it."""
+    machine = results.get("machine")
+    where = "Machine, date and commit not recorded."
+    if machine:
+        where = (
+            f"{machine['cores']} cores ({machine['cpu']}), Python {machine['python']}, torch"
+            f" {machine['torch']}, load average {machine['load_average']}; {results['date']},"
+            f" commit `{results['commit']}`."
+        )
+    lines = [
+        NOTES_BEGIN,
+        where,
+        "",
+        "| | samples/s without | with `seed_per_sample` | ratio |",
+        "|---|---|---|---|",
+        f"| seeding alone, per sample | | {results['seeding_us_per_sample']} µs | |",
+    ]
+    worked = []
+    for name in ("scalars", "crops"):
+        row = results[name]
+        off, on = row["samples_per_s_off"], row["samples_per_s_on"]
+        lines.append(f"| `{name}` | {off:,} | {on:,} | {row['on_over_off']:.2f}x |")
+        worked.append(f"2/{on:,} - 2/{off:,} s = {(2 / on - 2 / off) * 1e6:.1f} µs on `{name}`")
+    lines += ["", f"Per sample and worker, the runs' difference is {worked[0]} and {worked[1]}."]
+    return "\n".join([*lines, NOTES_END])
+
+
+def write_notes(path: Path, results: dict[str, Any]) -> None:
+    text = path.read_text()
+    head, rest = text.split(NOTES_BEGIN, 1)
+    path.write_text(head + notes_block(results) + rest.split(NOTES_END, 1)[1])
 
 
 if __name__ == "__main__":
