@@ -44,9 +44,11 @@ unit: install
 
 # pytest checks the site that `docs` built (tests/docs/test_site.py) rather than building it again.
 # The slowest tests, apart: Ray in a loopback-only network namespace, the frameworks
-# (Lightning, accelerate, HF Trainer), every example run as a user runs it, and the
-# benchmarks' own tests (each runs small benchmarks end to end).
-INTEGRATION := tests/ray tests/frameworks tests/docs/test_examples.py tests/features/test_bench.py
+# (Lightning, accelerate, HF Trainer), every example run as a user runs it, the benchmarks'
+# own tests (each runs small benchmarks end to end), and the reliability matrix (signals,
+# kills and limits over every front end and start method, each in a fresh process).
+INTEGRATION := tests/ray tests/frameworks tests/docs/test_examples.py tests/features/test_bench.py \
+	tests/reliability
 
 test: lint docs
 	AIOLOAD_BUILT_SITE=site $(PY) -m pytest $(addprefix --ignore=,$(INTEGRATION))
