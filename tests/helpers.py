@@ -207,11 +207,13 @@ def children() -> list[int]:
     return [proc.pid for proc in live_children(recursive=True)]
 
 
-def wait_no_children(timeout: float = 5.0) -> list[int]:
-    """Pids of this process's descendants still running after up to ``within(timeout)``
-    seconds."""
+def wait_no_children(
+    timeout: float = 5.0, running: Callable[[], list[int]] = children
+) -> list[int]:
+    """What ``running`` (by default: the pids of this process's descendants) still lists after
+    up to ``within(timeout)`` seconds."""
     deadline = time.monotonic() + within(timeout)
-    while (left := children()) and time.monotonic() < deadline:
+    while (left := running()) and time.monotonic() < deadline:
         time.sleep(0.02)
     return left
 

@@ -96,10 +96,7 @@ def wait_gone(workers: list[int] | set[int], timeout: float = 5.0) -> list[int]:
 def wait_no_children(timeout: float = 5.0) -> list[int]:
     """The workers (pids or thread numbers) still running after up to ``within(timeout)``
     seconds."""
-    deadline = time.monotonic() + within(timeout)
-    while (left := children()) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return left
+    return helpers.wait_no_children(timeout, children)
 
 
 class Pids(datasets.Pids):
