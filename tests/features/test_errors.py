@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import Dataset, IterableDataset, SequentialSampler
+from torch.utils.data import IterableDataset, SequentialSampler
 
 import aioload
 from tests.helpers import batches_and_errors, values, wait_no_children, within
@@ -406,21 +406,13 @@ def _worker_place() -> str:
     return f"thread {name}" if name.startswith("aioload-worker-") else f"pid {os.getpid()}"
 
 
-class StuckAt(Dataset[torch.Tensor]):
+class StuckAt(datasets.SlowAt):
     """Waits up to ``seconds`` at index ``slow`` (for ``_RELEASE``, in a thread worker),
     writing where it runs to ``marker`` first."""
 
-    def __init__(self, n: int, slow: int, seconds: float, marker: str) -> None:
-        self.n = n
-        self.slow = slow
-        self.seconds = seconds
-        self.marker = marker
-
-    def __len__(self) -> int:
-        return self.n
-
     def __getitem__(self, i: int) -> torch.Tensor:
         if i == self.slow:
+            assert self.marker is not None
             Path(self.marker).write_text(_worker_place())
             _RELEASE.wait(self.seconds)
         return torch.tensor([i])
