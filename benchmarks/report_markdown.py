@@ -294,7 +294,7 @@ def _machine(meta: dict[str, Any]) -> list[str]:
     out = [
         "## Machine",
         "",
-        "| | |",
+        "| part | this run |",
         "|---|---|",
         f"| CPU | {m['cpu_model']} |",
         f"| cores | {m['logical_cores']} logical ({m['physical_cores']} physical, "
