@@ -213,7 +213,7 @@ def render_markdown(meta: dict[str, Any], rows: list[SummaryRow], png_name: str)
 
 
 def _head(meta: dict[str, Any]) -> list[str]:
-    out: list[str] = ["# Benchmarks: aioload vs `torch.utils.data.DataLoader`", ""]
+    out: list[str] = ["# Benchmarks: aioload vs torch's `DataLoader`", ""]
     if meta["fake"]:
         out += [
             "> **FAKE RUN**: `AIOLOAD_BENCH_FAKE=1` was set, so the *aioload* column is "
