@@ -175,6 +175,10 @@ def test_the_site_css_keeps_pages_from_scrolling_sideways_on_a_phone() -> None:
     assert rules[f"{media}|.md-typeset__scrollwrap table:not([class])"] == {
         "background-color": "transparent"
     }
+    # Code wrapped at a phone's ~40 characters read as new, unindented Python statements:
+    # there it scrolls in its box (the theme's overflow: auto), with the same shadows.
+    code = rules[f"{media}|.md-typeset pre > code"]
+    assert code["white-space"] == "pre" and "local" in code["background"], code
 
 
 def test_the_css_reader_reads_media_blocks() -> None:
