@@ -256,8 +256,10 @@ def _results(meta: dict[str, Any], rows: list[SummaryRow], png_name: str) -> lis
         f"from runs of their own. Medians over {cfg['repeats']} repeats; every run is a fresh "
         "process, and the runs of the loaders alternate.",
         "",
-        f"![aioload's items/s over torch's, for each workload and mode, on a log scale]"
-        f"({png_name})",
+        # A link to the plot itself: on a phone the plot is shown at a third of its width, too
+        # small to read, and a tap opens it at full size.
+        f"[![aioload's items/s over torch's, for each workload and mode, on a log scale]"
+        f"({png_name})]({png_name})",
         "",
         results_tables(meta, rows),
     ]

@@ -129,6 +129,13 @@ def test_the_api_page_lists_parameters_rather_than_tabling_them(site: Path) -> N
     assert not [s for s in sections if s[1] == "table"], sections
 
 
+def test_the_headline_plot_opens_at_full_size(site: Path) -> None:
+    # On a phone the benchmarks page shows its plot at about a third of its width, too small
+    # to read; the plot links to itself, so that a tap opens it at full size.
+    html = (site / "benchmarks.html").read_text(encoding="utf-8")
+    assert re.search(r'<a href="benchmarks\.png"><img [^>]*src="benchmarks\.png"', html)
+
+
 def _css_rules(css: str) -> dict[str, dict[str, str]]:
     """Top-level and media-query rules of a stylesheet, as {"MEDIA|SELECTOR": {prop: value}}
     (MEDIA empty at top level). Enough for the site's own small stylesheet."""
