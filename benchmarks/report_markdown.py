@@ -213,7 +213,7 @@ def render_markdown(meta: dict[str, Any], rows: list[SummaryRow], png_name: str)
 
 
 def _head(meta: dict[str, Any]) -> list[str]:
-    out: list[str] = ["# Benchmarks: aioload vs `torch.utils.data.DataLoader`", ""]
+    out: list[str] = ["# Benchmarks: aioload vs torch's `DataLoader`", ""]
     if meta["fake"]:
         out += [
             "> **FAKE RUN**: `AIOLOAD_BENCH_FAKE=1` was set, so the *aioload* column is "
@@ -256,8 +256,10 @@ def _results(meta: dict[str, Any], rows: list[SummaryRow], png_name: str) -> lis
         f"from runs of their own. Medians over {cfg['repeats']} repeats; every run is a fresh "
         "process, and the runs of the loaders alternate.",
         "",
-        f"![aioload's items/s over torch's, for each workload and mode, on a log scale]"
-        f"({png_name})",
+        # A link to the plot itself: on a phone the plot is shown at a third of its width, too
+        # small to read, and a tap opens it at full size.
+        f"[![aioload's items/s over torch's, for each workload and mode, on a log scale]"
+        f"({png_name})]({png_name})",
         "",
         results_tables(meta, rows),
     ]
@@ -294,7 +296,7 @@ def _machine(meta: dict[str, Any]) -> list[str]:
     out = [
         "## Machine",
         "",
-        "| | |",
+        "| part | this run |",
         "|---|---|",
         f"| CPU | {m['cpu_model']} |",
         f"| cores | {m['logical_cores']} logical ({m['physical_cores']} physical, "
