@@ -219,7 +219,10 @@ class _ThreadWorker:
                     else:
                         step.new_async_pass(message.plan)
             elif isinstance(message, SetConcurrency):
-                step.set_concurrency(message.concurrency)
+                # On the loop, as a process worker resizes: a semaphore made off the loop
+                # (fewer slots) binds to none, and more slots then released into it, still
+                # off the loop, raised NoEventLoopError and ended the thread.
+                loop.run_until_complete(_resize(step, message.concurrency))
             elif self.shared.current(message.generation):
                 started = time.perf_counter()
                 result = loop.run_until_complete(self._unless_stale(step, message))
@@ -254,6 +257,10 @@ class _ThreadWorker:
         if forget is not None:
             forget()
         self.shared.put(self, answer, task.generation)
+
+
+async def _resize(step: WorkerStep, concurrency: int) -> None:
+    step.set_concurrency(concurrency)
 
 
 def _by_reference(result: Produced) -> Any:
