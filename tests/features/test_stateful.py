@@ -65,9 +65,12 @@ def _uninterrupted(make: Make, seed_global: bool) -> Epochs:
     return epochs
 
 
-def _interrupted(make: Make, boundary: str, batches: int, restore_rng: bool) -> Epochs:
+def _interrupted(
+    make: Make, boundary: str, batches: int, restore_rng: bool, make_resumed: Make | None = None
+) -> Epochs:
     """The epochs of a run checkpointed at ``boundary`` (``batches``: the second pass's length)
-    and resumed by a fresh loader (in what stands for a new process)."""
+    and resumed by a fresh loader (in what stands for a new process), ``make_resumed``'s if
+    given."""
     if restore_rng:
         torch.manual_seed(0)
     loader = make()
@@ -92,7 +95,7 @@ def _interrupted(make: Make, boundary: str, batches: int, restore_rng: bool) -> 
     del loader
 
     torch.manual_seed(1234)  # the new process's global RNG is elsewhere
-    resumed = make()
+    resumed = (make_resumed or make)()
     resumed.load_state_dict(state)
     if restore_rng:
         torch.set_rng_state(rng)
@@ -127,13 +130,16 @@ def _setting_id(setting: tuple[str, int, bool, bool]) -> str:
     )
 
 
-def _maker(setting: tuple[str, int, bool, bool]) -> Make:
+def _maker(setting: tuple[str, int, bool, bool], worker_method: str | None = None) -> Make:
+    """The setting's loader (with ``worker_method`` if given; else the cell's)."""
     kind, workers, generator, persistent = setting
 
     def make() -> aioload.DataLoader[Any]:
         extra: dict[str, Any] = {}
         if workers:
             extra = {"num_workers": workers, "persistent_workers": persistent}
+        if worker_method is not None:
+            extra["worker_method"] = worker_method
         if kind == "iterable":
             return aioload.DataLoader(EpochStream(12), batch_size=2, **extra)
         return rng_map(7 if generator else None, **extra)
@@ -175,6 +181,41 @@ def test_exact_resume_at_every_boundary(
     reference = _references[key]
     assert reference[0] != reference[1]  # the epochs differ, so a repeated one shows
     got = _interrupted(make, boundary, len(reference[1]), restore_rng=not with_generator)
+    assert got == reference
+
+
+@pytest.mark.own_worker_method("takes the state under one worker method, resumes under the other")
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("boundary", ["mid-epoch", "between-epochs"])
+@pytest.mark.parametrize(
+    ("kind", "num_workers", "generator", "persistent"),
+    [setting for setting in SETTINGS if setting[1]],
+    ids=[_setting_id(setting) for setting in SETTINGS if setting[1]],
+)
+@pytest.mark.parametrize(
+    ("first", "second"), [("multiprocessing", "thread"), ("thread", "multiprocessing")]
+)
+def test_a_state_resumes_under_the_other_worker_method(
+    kind: str,
+    num_workers: int,
+    generator: bool,
+    persistent: bool,
+    boundary: str,
+    first: str,
+    second: str,
+) -> None:
+    """Stateful datasets, each worker's state its own: a state taken with worker processes
+    resumes exactly with worker threads, and the other way round; both methods give the same
+    batches."""
+
+    def maker(method: str) -> Make:
+        return _maker((kind, num_workers, generator, persistent), worker_method=method)
+
+    reference = _uninterrupted(maker(first), seed_global=not generator)
+    assert _uninterrupted(maker(second), seed_global=not generator) == reference
+    got = _interrupted(
+        maker(first), boundary, len(reference[1]), not generator, make_resumed=maker(second)
+    )
     assert got == reference
 
 
