@@ -88,17 +88,21 @@ class _Shared:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        # (worker incarnation, answer or loss) from the threads, drained by poll.
-        self.answers: queue.SimpleQueue[tuple[_ThreadWorker, Event]] = queue.SimpleQueue()
+        # (worker incarnation, its task's generation (None: a loss), answer or loss) from the
+        # threads, drained by poll.
+        self.answers: queue.SimpleQueue[tuple[_ThreadWorker, int | None, Event]] = (
+            queue.SimpleQueue()
+        )
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
         self.closed = False
         self.generation = 0
 
-    def put(self, worker: _ThreadWorker, event: Event) -> None:
-        """From a worker thread: an answer (or its own end), and a byte to wake the engine."""
-        self.answers.put((worker, event))
+    def put(self, worker: _ThreadWorker, event: Event, generation: int | None = None) -> None:
+        """From a worker thread: an answer to a task of ``generation`` (or its own end), and a
+        byte to wake the engine."""
+        self.answers.put((worker, generation, event))
         with self.lock:
             if self.closed:
                 return  # (the pipe is closed: its number may be another file's by now)
@@ -215,7 +219,10 @@ class _ThreadWorker:
                     else:
                         step.new_async_pass(message.plan)
             elif isinstance(message, SetConcurrency):
-                step.set_concurrency(message.concurrency)
+                # On the loop, as a process worker resizes: a semaphore made off the loop
+                # (fewer slots) binds to none, and more slots then released into it, still
+                # off the loop, raised NoEventLoopError and ended the thread.
+                loop.run_until_complete(_resize(step, message.concurrency))
             elif self.shared.current(message.generation):
                 started = time.perf_counter()
                 result = loop.run_until_complete(self._unless_stale(step, message))
@@ -249,7 +256,11 @@ class _ThreadWorker:
         forget = getattr(step.fetcher, "forget", None)
         if forget is not None:
             forget()
-        self.shared.put(self, answer)
+        self.shared.put(self, answer, task.generation)
+
+
+async def _resize(step: WorkerStep, concurrency: int) -> None:
+    step.set_concurrency(concurrency)
 
 
 def _by_reference(result: Produced) -> Any:
@@ -325,11 +336,17 @@ class ThreadBackend:
         events: list[Event] = []
         while True:
             try:
-                worker, event = shared.answers.get_nowait()
+                worker, generation, event = shared.answers.get_nowait()
             except queue.Empty:
                 break
             if worker is not self.workers[worker.worker_id]:
                 continue  # an abandoned incarnation's late answer: its tasks went again
+            # NOTE: a task of a pass that was left (a break on kept workers) may have been
+            # running when the next pass started; its answer is dropped, as the process
+            # backend drops replies of an older generation. Checked here, in the engine's
+            # thread, not before the put: the pass may be left between the check and the put.
+            if generation is not None and generation < self.generation:
+                continue
             if isinstance(event, Answer) and failed_in_setup(event):
                 self.retired = True
             events.append(event)

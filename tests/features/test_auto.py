@@ -1,4 +1,5 @@
-"""num_workers / prefetch_factor / worker_concurrency "auto", end to end with worker processes.
+"""num_workers / prefetch_factor / worker_concurrency "auto", end to end with worker processes
+and worker threads.
 
 The controller's own choices depend on timing, so these tests replace it with a scripted one
 that changes the numbers every couple of batches: what they check is that results do not
@@ -23,7 +24,6 @@ from aioload._engine import pass_tuning, tuning
 from tests.helpers import seeded_per_sample
 
 pytestmark = [
-    pytest.mark.threads_pending,
     pytest.mark.timeout(120),
     # Three slots on a smaller test machine (usable_cores is patched): torch's advice, not ours.
     pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
@@ -41,13 +41,18 @@ class Numbers(Dataset[torch.Tensor]):
 
 
 class Augmented(Dataset[torch.Tensor]):
-    """A random augmentation per sample: the same under seed_per_sample whoever fetches it."""
+    """A random augmentation per sample: the same under seed_per_sample whoever fetches it.
+    It draws from the worker's own generator in a thread worker (docs/threads.md: the global
+    one is every thread's), which seed_per_sample seeds as a process worker's global one."""
 
     def __len__(self) -> int:
         return N
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        return torch.tensor([float(index), torch.rand(()).item()])
+        info = torch.utils.data.get_worker_info()
+        rng = info.rng if getattr(info, "worker_method", None) == "thread" else None
+        generator = None if rng is None else rng.torch_generator
+        return torch.tensor([float(index), torch.rand((), generator=generator).item()])
 
 
 class AsyncNumbers(Dataset[torch.Tensor]):
@@ -132,9 +137,10 @@ def test_order_and_exactly_once_while_the_count_changes() -> None:
 
 @pytest.mark.parametrize("front", ["for", "async for"])
 def test_slots_the_controller_never_activates_start_no_process(
-    monkeypatch: pytest.MonkeyPatch, front: str
+    monkeypatch: pytest.MonkeyPatch, front: str, worker_method: str
 ) -> None:
-    """Six slots, a controller that holds two workers: two processes, under either front."""
+    """Six slots, a controller that holds two workers: two processes, under either front
+    (thread workers: no process at all), and two workers that answer."""
     monkeypatch.setattr(pass_tuning, "usable_cores", lambda: 6)
     loader = aioload.DataLoader(Numbers(), batch_size=4, num_workers="auto")
     assert loader.num_workers == 6
@@ -161,7 +167,7 @@ def test_slots_the_controller_never_activates_start_no_process(
     else:
         batches = asyncio.run(drain())
     assert values(batches) == list(range(N))
-    assert most == 2
+    assert most == (0 if worker_method == "thread" else 2)
     assert sum(w["tasks"] > 0 for w in loader.stats().as_dict()["workers"]) == 2
 
 
@@ -177,6 +183,9 @@ def test_async_for_and_in_order_false() -> None:
     assert asyncio.run(run()) == list(range(N))
 
 
+# (Thread workers: seed_per_sample seeds each worker's rng, which Augmented draws from; the
+# warning says so at construction.)
+@pytest.mark.filterwarnings("ignore:aioload. with worker_method='thread':UserWarning")
 @pytest.mark.usefixtures("three_cores")
 def test_seed_per_sample_augmentations_do_not_depend_on_the_count() -> None:
     def batches(num_workers: Any) -> list[torch.Tensor]:
@@ -226,6 +235,7 @@ def test_worker_concurrency_auto_changes_in_the_workers() -> None:
     assert any(c.knob == tuning.CONCURRENCY for c in tuner.changes)
 
 
+@pytest.mark.no_local_workers("num_workers=0: the choice alone")
 def test_worker_concurrency_auto_with_a_sync_dataset_is_one() -> None:
     loader = aioload.DataLoader(Numbers(), batch_size=4, worker_concurrency="auto")
     assert loader.worker_concurrency == 1
@@ -258,6 +268,7 @@ def test_the_progress_bar_shows_the_choice(capsys: pytest.CaptureFixture[str]) -
     assert "auto: " in capsys.readouterr().err
 
 
+@pytest.mark.no_local_workers("refused at construction")
 def test_torch_still_validates_integers() -> None:
     with pytest.raises(ValueError, match="num_workers option should be non-negative"):
         aioload.DataLoader(Numbers(), num_workers=-1)
@@ -284,12 +295,14 @@ def test_max_memory_takes_whole_bytes_as_int_numpy_or_float(budget: Any) -> None
     assert loader.stats().as_dict()["tuning"]["max_memory"] == int(budget)
 
 
+@pytest.mark.no_local_workers("refused at construction")
 @pytest.mark.parametrize("budget", [0, -5, 0.5, float("inf"), float("nan"), True, "1G"])
 def test_max_memory_refuses_what_is_not_a_number_of_bytes(budget: Any) -> None:
     with pytest.raises(ValueError, match="max_memory option should be None or a positive"):
         aioload.DataLoader(Numbers(), num_workers="auto", max_memory=budget)
 
 
+@pytest.mark.no_local_workers("no loader: the benchmark's verdict")
 def test_bench_auto_judges_and_models() -> None:
     """make bench-auto's verdict (>= 90 % of the grid's best, not below torch's defaults) and
     the floor model, on made-up figures."""
@@ -344,6 +357,7 @@ def test_bench_auto_judges_and_models() -> None:
     assert given[("tiny", 14)]["predicted"] == pytest.approx(4.0e6 / (1 + 0.5 / 3.5))
 
 
+@pytest.mark.no_local_workers("no loader: the benchmark's reading")
 def test_bench_auto_pairs_each_auto_run_with_its_rounds_run() -> None:
     """The round-by-round reading: auto's ratio to another setting's run of the same round,
     median (lowest-highest) over the rounds, failed runs left out. A machine that gets twice

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,6 @@ from ..scripts.stateful import (
     RngSampler,
     SelfIterating,
 )
-
-pytestmark = pytest.mark.threads_pending
 
 Make = Callable[[], aioload.DataLoader[Any]]
 Epochs = list[list[Any]]
@@ -66,9 +65,12 @@ def _uninterrupted(make: Make, seed_global: bool) -> Epochs:
     return epochs
 
 
-def _interrupted(make: Make, boundary: str, batches: int, restore_rng: bool) -> Epochs:
+def _interrupted(
+    make: Make, boundary: str, batches: int, restore_rng: bool, make_resumed: Make | None = None
+) -> Epochs:
     """The epochs of a run checkpointed at ``boundary`` (``batches``: the second pass's length)
-    and resumed by a fresh loader (in what stands for a new process)."""
+    and resumed by a fresh loader (in what stands for a new process), ``make_resumed``'s if
+    given."""
     if restore_rng:
         torch.manual_seed(0)
     loader = make()
@@ -93,7 +95,7 @@ def _interrupted(make: Make, boundary: str, batches: int, restore_rng: bool) -> 
     del loader
 
     torch.manual_seed(1234)  # the new process's global RNG is elsewhere
-    resumed = make()
+    resumed = (make_resumed or make)()
     resumed.load_state_dict(state)
     if restore_rng:
         torch.set_rng_state(rng)
@@ -128,13 +130,16 @@ def _setting_id(setting: tuple[str, int, bool, bool]) -> str:
     )
 
 
-def _maker(setting: tuple[str, int, bool, bool]) -> Make:
+def _maker(setting: tuple[str, int, bool, bool], worker_method: str | None = None) -> Make:
+    """The setting's loader (with ``worker_method`` if given; else the cell's)."""
     kind, workers, generator, persistent = setting
 
     def make() -> aioload.DataLoader[Any]:
         extra: dict[str, Any] = {}
         if workers:
             extra = {"num_workers": workers, "persistent_workers": persistent}
+        if worker_method is not None:
+            extra["worker_method"] = worker_method
         if kind == "iterable":
             return aioload.DataLoader(EpochStream(12), batch_size=2, **extra)
         return rng_map(7 if generator else None, **extra)
@@ -154,18 +159,63 @@ _references: dict[str, Epochs] = {}
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("boundary", BOUNDARIES)
-@pytest.mark.parametrize("setting", SETTINGS, ids=_setting_id)
+@pytest.mark.parametrize(
+    ("kind", "num_workers", "generator", "persistent"),
+    SETTINGS,
+    ids=[_setting_id(setting) for setting in SETTINGS],
+)
 def test_exact_resume_at_every_boundary(
-    setting: tuple[str, int, bool, bool], boundary: str
+    kind: str,
+    num_workers: int,
+    generator: bool,
+    persistent: bool,
+    boundary: str,
+    worker_method: str,
 ) -> None:
+    setting = (kind, num_workers, generator, persistent)
     make = _maker(setting)
-    with_generator = setting[2]
-    key = _setting_id(setting)
+    with_generator = generator
+    key = f"{worker_method}-{_setting_id(setting)}"
     if key not in _references:
         _references[key] = _uninterrupted(make, seed_global=not with_generator)
     reference = _references[key]
     assert reference[0] != reference[1]  # the epochs differ, so a repeated one shows
     got = _interrupted(make, boundary, len(reference[1]), restore_rng=not with_generator)
+    assert got == reference
+
+
+@pytest.mark.own_worker_method("takes the state under one worker method, resumes under the other")
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("boundary", ["mid-epoch", "between-epochs"])
+@pytest.mark.parametrize(
+    ("kind", "num_workers", "generator", "persistent"),
+    [setting for setting in SETTINGS if setting[1]],
+    ids=[_setting_id(setting) for setting in SETTINGS if setting[1]],
+)
+@pytest.mark.parametrize(
+    ("first", "second"), [("multiprocessing", "thread"), ("thread", "multiprocessing")]
+)
+def test_a_state_resumes_under_the_other_worker_method(
+    kind: str,
+    num_workers: int,
+    generator: bool,
+    persistent: bool,
+    boundary: str,
+    first: str,
+    second: str,
+) -> None:
+    """Stateful datasets, each worker's state its own: a state taken with worker processes
+    resumes exactly with worker threads, and the other way round; both methods give the same
+    batches."""
+
+    def maker(method: str) -> Make:
+        return _maker((kind, num_workers, generator, persistent), worker_method=method)
+
+    reference = _uninterrupted(maker(first), seed_global=not generator)
+    assert _uninterrupted(maker(second), seed_global=not generator) == reference
+    got = _interrupted(
+        maker(first), boundary, len(reference[1]), not generator, make_resumed=maker(second)
+    )
     assert got == reference
 
 
@@ -178,16 +228,33 @@ def _check(make: Make, boundary: str = "mid-epoch", seed_global: bool = False) -
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("dataset", [SelfIterating, CursorStream])
+@pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("boundary", ["mid-epoch", "between-epochs"])
-def test_an_iterators_state_is_loaded_after_iter(
-    dataset: Callable[[int], Any], workers: int, boundary: str
+def test_an_iterators_state_is_loaded_after_iter(num_workers: int, boundary: str) -> None:
+    """A dataset whose iterator has the state: the iterator's state goes in after ``iter()``,
+    as StatefulDataLoader loads it, so nothing is yielded twice and no worker fails."""
+    _check(
+        lambda: aioload.DataLoader(CursorStream(12), batch_size=2, num_workers=num_workers),
+        boundary,
+    )
+
+
+@pytest.mark.processes_only(
+    "a dataset that is its own iterator is one stream, which thread workers refuse to share "
+    "(a TypeError: docs/threads.md); each worker process has its own copy"
+)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("boundary", ["mid-epoch", "between-epochs"])
+def test_a_self_iterating_datasets_state_is_loaded_after_iter(
+    num_workers: int, boundary: str
 ) -> None:
-    """A dataset that is its own iterator (``iter()`` starts it over), and one whose iterator
-    has the state: the iterator's state goes in after ``iter()``, as StatefulDataLoader loads
-    it, so nothing is yielded twice and no worker fails."""
-    _check(lambda: aioload.DataLoader(dataset(12), batch_size=2, num_workers=workers), boundary)
+    """A dataset that is its own iterator (``iter()`` starts it over): its state goes in after
+    ``iter()`` too."""
+    _check(
+        lambda: aioload.DataLoader(SelfIterating(12), batch_size=2, num_workers=num_workers),
+        boundary,
+    )
 
 
 def _sampler_loader(kind: str, workers: int) -> aioload.DataLoader[Any]:
@@ -202,15 +269,16 @@ def _sampler_loader(kind: str, workers: int) -> aioload.DataLoader[Any]:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("kind", ["sampler", "batch-sampler", "torch-batch-sampler"])
 @pytest.mark.parametrize("boundary", ["mid-epoch", "between-epochs"])
 def test_samplers_with_their_own_rng_resume_in_their_second_epoch(
-    kind: str, workers: int, boundary: str
+    kind: str, num_workers: int, boundary: str
 ) -> None:
-    _check(lambda: _sampler_loader(kind, workers), boundary)
+    _check(lambda: _sampler_loader(kind, num_workers), boundary)
 
 
+@pytest.mark.processes_only("the worker dies by SIGKILL")
 @pytest.mark.timeout(60)
 def test_a_replaced_worker_goes_on_from_its_predecessors_dataset_state(tmp_path: Path) -> None:
     """A worker that dies is replaced on the state its dataset had after its last answer: the
@@ -300,14 +368,92 @@ def test_kept_workers_after_a_break_resume_exactly(stop: int) -> None:
     assert run(checkpoint=True) == run(checkpoint=False)
 
 
+class _HeldOnce(torch.utils.data.Dataset[int]):
+    """Worker 1's first fetch waits until ``release`` is set."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+        self.held = False
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        info = torch.utils.data.get_worker_info()
+        with self.lock:
+            hold = info is not None and info.id == 1 and not self.held
+            self.held = self.held or hold
+        if hold:
+            self.release.wait(30)
+        return index
+
+
+class _ReleasingSampler(torch.utils.data.Sampler[int]):
+    """A shuffle that sets ``release`` a moment after its second pass begins (once the
+    loader's next pass has started its workers on it)."""
+
+    def __init__(self, n: int, release: threading.Event) -> None:
+        self.inner = torch.utils.data.RandomSampler(
+            range(n), generator=torch.Generator().manual_seed(5)
+        )
+        self.release = release
+        self.passes = 0
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[int]:
+        self.passes += 1
+        if self.passes == 2:
+            timer = threading.Timer(0.3, self.release.set)
+            timer.daemon = True
+            timer.start()
+        yield from self.inner
+
+
+@pytest.mark.own_worker_method("a worker held by an Event of this process: thread workers")
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("workers", [0, 2])
+def test_an_answer_of_a_pass_left_early_is_not_taken_for_the_next_ones() -> None:
+    """A pass left early (``break``) on kept workers, while worker 1 is still fetching its
+    first batch: that batch, answered once the next pass has begun, is not one of its batches
+    (it was, under the same task number, before the thread backend dropped a left pass's
+    answers)."""
+
+    def run(held: bool) -> list[list[int]]:
+        dataset = _HeldOnce(24)
+        if not held:
+            dataset.held = True
+        sampler = _ReleasingSampler(24, dataset.release)
+        loader = aioload.DataLoader(
+            dataset,
+            batch_size=3,
+            sampler=sampler,
+            num_workers=2,
+            persistent_workers=True,
+            worker_method="thread",
+        )
+        iterator = iter(loader)
+        next(iterator)  # worker 0's; and break
+        del iterator
+        second = [batch.tolist() for batch in loader]
+        _shutdown(loader)
+        return second
+
+    reference = run(held=False)
+    assert sorted(i for batch in reference for i in batch) == list(range(24))
+    assert run(held=True) == reference
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("kind", ["map", "iterable"])
-def test_async_for_resumes_as_for_does(kind: str, workers: int) -> None:
+def test_async_for_resumes_as_for_does(kind: str, num_workers: int) -> None:
     """The same checkpoint under ``async for``: the batches ``for`` gives, before and after."""
     import anyio
 
-    make = _maker((kind, workers, False, False))
+    make = _maker((kind, num_workers, False, False))
     reference = _uninterrupted(make, seed_global=True)
 
     async def interrupted() -> Epochs:
@@ -346,6 +492,7 @@ def test_per_worker_dataset_states_need_the_same_num_workers() -> None:
     assert sorted(row // 1000 for batch in other for row in batch.tolist()) == list(range(12))
 
 
+@pytest.mark.no_local_workers("no loader is iterated")
 def test_snapshot_every_n_steps_is_accepted() -> None:
     for value in (1, 10, 0, None):
         loader = aioload.DataLoader(list(range(4)), snapshot_every_n_steps=value)
@@ -372,6 +519,7 @@ def _mid_pass_state(**extra: Any) -> dict[str, Any]:
     return _state_after(aioload.DataLoader(list(range(12)), batch_size=3, shuffle=True, **extra))
 
 
+@pytest.mark.no_local_workers("num_workers=0: the state's format")
 def test_the_state_is_json() -> None:
     state = _mid_pass_state(generator=torch.Generator().manual_seed(3))
     text = json.dumps(state)
@@ -404,6 +552,7 @@ def _as_format_1(state: dict[str, Any]) -> dict[str, Any]:
     return old
 
 
+@pytest.mark.no_local_workers("num_workers=0: the state's format")
 def test_states_of_the_previous_format_still_load() -> None:
     def make() -> aioload.DataLoader[Any]:
         return aioload.DataLoader(
@@ -429,6 +578,7 @@ def _set(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
     return lambda state: state.__setitem__(key, value)
 
 
+@pytest.mark.no_local_workers("num_workers=0: refused states")
 @pytest.mark.parametrize(
     ("corrupt", "message"),
     [
@@ -458,12 +608,14 @@ def test_an_unreadable_state_names_what_is_wrong(
         loader.load_state_dict(state)
 
 
+@pytest.mark.no_local_workers("refused before any worker starts")
 def test_a_torchdata_state_is_named_as_such() -> None:
     state = {"_snapshot": {}, "_steps_since_snapshot": 0, "_iterator_finished": False}
     with pytest.raises(ValueError, match="torchdata's StatefulDataLoader"):
         aioload.DataLoader(list(range(4))).load_state_dict(state)
 
 
+@pytest.mark.no_local_workers("num_workers=0: refused states")
 def test_a_state_for_another_kind_of_sampler_or_dataset_is_refused() -> None:
     state = _state_after(aioload.DataLoader(list(range(20)), batch_size=3, sampler=RngSampler(20)))
     with pytest.raises(ValueError, match="sampler"):

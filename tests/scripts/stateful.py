@@ -1,17 +1,75 @@
 """Datasets and samplers with torchdata's Stateful protocol (``state_dict()`` and
 ``load_state_dict()``), for the resume tests; importable by module path, as workers (and Ray
-actors) need. Every state here is plain JSON data."""
+actors) need. Every state here is plain JSON data.
+
+A dataset's state is per worker (``PerWorker``): each worker process moves its own copy of the
+dataset, while thread workers share the one object (docs/threads.md), so what a worker moves
+is kept under that worker's key, and ``state_dict()``/``load_state_dict()`` read and write the
+calling worker's own. The same dataset is then correct under either ``worker_method``, and a
+state taken under one resumes under the other."""
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import signal
+import threading
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch.utils.data import Dataset, IterableDataset, Sampler
+
+T = TypeVar("T")
+
+
+class PerWorker(Generic[T]):
+    """One ``T`` per worker, and one for the calling process's own fetches (no worker): what a
+    copy of the dataset per worker process would give, with thread workers too.
+
+    A worker's value starts as a copy of the calling process's, as a worker process's copy of
+    the dataset does. The key is the worker's id *and* its seed: a fresh pool of workers (the
+    next pass without ``persistent_workers``) has new seeds, so its workers start from the
+    dataset's own state, as fresh worker processes do, while kept workers go on from theirs."""
+
+    def __init__(self, value: T) -> None:
+        self.main = value
+        self.workers: dict[tuple[int, int], T] = {}
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def _key() -> tuple[int, int] | None:
+        info = torch.utils.data.get_worker_info()
+        return None if info is None else (info.id, info.seed)
+
+    def get(self) -> T:
+        key = self._key()
+        if key is None:
+            return self.main
+        with self.lock:  # (threads add their keys at once)
+            if key not in self.workers:
+                self.workers[key] = copy.deepcopy(self.main)
+            return self.workers[key]
+
+    def set(self, value: T) -> None:
+        key = self._key()
+        if key is None:
+            self.main = value
+            return
+        with self.lock:
+            self.workers[key] = value
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (a worker process's, pickled in the calling process) starts from the
+        # caller's value; a lock does not pickle.
+        return {"main": self.get()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.main = state["main"]
+        self.workers = {}
+        self.lock = threading.Lock()
 
 
 def _rng_state(rng: random.Random) -> dict[str, Any]:
@@ -34,19 +92,19 @@ class RngMap(Dataset[int]):
 
     def __init__(self, n: int) -> None:
         self.n = n
-        self.rng = random.Random(0)
+        self.rng = PerWorker(random.Random(0))
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, index: int) -> int:
-        return index * 1000 + self.rng.randrange(1000)
+        return index * 1000 + self.rng.get().randrange(1000)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rng": _rng_state(self.rng)}
+        return {"rng": _rng_state(self.rng.get())}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        _set_rng_state(self.rng, state["rng"])
+        _set_rng_state(self.rng.get(), state["rng"])
 
 
 class DiesOnce(RngMap):
@@ -67,25 +125,34 @@ class DiesOnce(RngMap):
 
 
 class Counting(Dataset[tuple[int, int, int]]):
-    """Map-style: sample ``i`` is ``(i, worker id, fetches this copy had made before)``; the
+    """Map-style: sample ``i`` is ``(i, worker id, fetches this worker had made before)``; the
     count is its state."""
 
     def __init__(self, n: int) -> None:
         self.n = n
-        self.count = 0
+        self.count = PerWorker(0)
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, index: int) -> tuple[int, int, int]:
-        self.count += 1
-        return (index, _worker()[0], self.count - 1)
+        count = self.count.get()
+        self.count.set(count + 1)
+        return (index, _worker()[0], count)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"count": self.count}
+        return {"count": self.count.get()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.count = state["count"]
+        self.count.set(state["count"])
+
+
+@dataclass
+class _Position:
+    """Where an ``EpochStream`` stands: its epoch and its position in it."""
+
+    epoch: int = 0
+    pos: int = 0
 
 
 class EpochStream(IterableDataset[int]):
@@ -97,26 +164,28 @@ class EpochStream(IterableDataset[int]):
     def __init__(self, n: int, seeded: bool = True) -> None:
         self.n = n
         self.seeded = seeded
-        self.epoch = 0
-        self.pos = 0
+        self.position = PerWorker(_Position())
 
     def __iter__(self) -> Iterator[int]:
         worker, workers = _worker()
         info = torch.utils.data.get_worker_info()
         seeded = 0 if info is None or not self.seeded else 100_000 * (info.seed % 97)
-        while self.pos < self.n:
-            i = self.pos
-            self.pos += 1
+        at = self.position.get()
+        while at.pos < self.n:
+            i = at.pos
+            at.pos += 1
             if i % workers == worker:
-                yield seeded + self.epoch * 1000 + i
-        self.pos = 0
-        self.epoch += 1
+                yield seeded + at.epoch * 1000 + i
+        at.pos = 0
+        at.epoch += 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "pos": self.pos}
+        at = self.position.get()
+        return {"epoch": at.epoch, "pos": at.pos}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch, self.pos = state["epoch"], state["pos"]
+        at = self.position.get()  # (in place: a stream already made reads this one)
+        at.epoch, at.pos = state["epoch"], state["pos"]
 
 
 class SelfIterating(IterableDataset[int]):
