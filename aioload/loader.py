@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
-from typing import Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 import torch
 import torch.distributed
@@ -13,13 +13,11 @@ import torch.utils.data
 from torch.utils.data import Dataset, Sampler
 
 from ._aio import lazy_import as _lazy
-from ._aio import sync_loop as _sync
 from ._backends.base import BackendKeeper
 from ._backends.choice import WorkerFactory
 from ._backends.ray_config import RayWorkers
 from ._engine.orchestrator import END, NEEDS_LOOP, Orchestrator, release_pass_frames
 from ._engine.passes import PassPlanner
-from ._engine.pinning import Transfer, make_transfer, torch_pin_plan
 from ._engine.samplers import loader_generators, use_stateful_shuffle
 from ._engine.setup import (
     AutoArguments,
@@ -34,9 +32,25 @@ from ._engine.setup import (
 )
 from .stats import LoaderStats, empty_stats
 
+if TYPE_CHECKING:
+    from ._engine.pinning import PinPlan, Transfer
+
 __all__ = ["DataLoader"]
 
 T_co = TypeVar("T_co", covariant=True)
+
+
+def make_transfer(plan: PinPlan | None, device: torch.device | None) -> Transfer | None:
+    """``_engine.pinning.make_transfer``; ``plan`` None: nothing pinned, nothing to warn.
+
+    NOTE: a pass that neither pins nor copies to a device (no plan, no ``device``) has no stage,
+    said here without importing ``_engine.pinning``: its import counted in the time to the
+    first batch of every loader, and only a pass with a stage runs it."""
+    if plan is None and device is None:
+        return None
+    from ._engine import pinning
+
+    return pinning.make_transfer(plan or pinning.PinPlan(pin=False), device)
 
 
 class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
@@ -429,6 +443,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
     def _transfer(self) -> Transfer | None:
         """The pin / host-to-device stage a pass needs, if any: ``pin_memory`` pins, and warns,
         as the installed torch's iterator does (see ``torch_pin_plan``)."""
+        if not self.pin_memory and not self.pin_memory_device:
+            return make_transfer(None, self.device)  # (torch_pin_plan's first case)
+        from ._engine.pinning import torch_pin_plan
+
         plan = torch_pin_plan(self.pin_memory, self.pin_memory_device)
         plan.warn(stacklevel=3)  # (__iter__'s frame, as torch's iterator)
         return make_transfer(plan, self.device)
@@ -484,6 +502,8 @@ class _SyncIterator:
             try:
                 batch = engine.next_blocking()
                 if batch is NEEDS_LOOP:
+                    from ._aio import sync_loop as _sync  # (the one wait that needs a loop)
+
                     batch = _sync.run(engine.next())
             except BaseException as error:
                 if not isinstance(error, Exception):

@@ -32,7 +32,7 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable, Generator
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .._aio.waiting import Waiter, run_off_loop, running_asyncio_loop
 from .._backends.base import TunableBackend, WorkerBackend
@@ -56,9 +56,11 @@ from .pass_setup import (
     timeout_error,
     warn_past_length,
 )
-from .pinning import PinStage
 from .runahead import RunAhead
 from .sleep import PlannedWait
+
+if TYPE_CHECKING:
+    from .pinning import PinStage, Transfer
 
 __all__ = [
     "END",
@@ -108,6 +110,13 @@ _WAIT: Any = _Sentinel("_WAIT")
 
 # The backend before the first next() starts it (every use checks for this first).
 _NOT_STARTED: Any = object()
+
+
+def _pin_stage(transfer: Transfer, depth: int) -> PinStage:
+    """The pass's pin stage; ``_engine.pinning`` is imported only by a pass that has one."""
+    from .pinning import PinStage
+
+    return PinStage(transfer, depth=depth)
 
 
 class Orchestrator:
@@ -380,7 +389,7 @@ class Orchestrator:
         """Take a just-made backend as this pass's and begin the pass on it."""
         self._backend = backend
         if self._setup.transfer is not None:
-            self._stage = PinStage(self._setup.transfer, depth=self._setup.prefetch)
+            self._stage = _pin_stage(self._setup.transfer, depth=self._setup.prefetch)
             self._stage.stats = self.stats
             self.owned.stage = self._stage
         # The engine's sleep: on what the backend offers, and on the stage's pipe.

@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import warnings
 import weakref
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -40,8 +40,6 @@ from .pass_start import (
     start_mid_pass,
     start_on_kept_workers,
 )
-from .pass_tuning import PassTuning
-from .pinning import Transfer
 from .resume import FORMAT, PassProgress, SamplerStack, YieldedPositions, generator_states
 from .setup import (
     PassArguments,
@@ -54,7 +52,9 @@ from .setup import (
     skip_cap,
     worker_spec,
 )
-from .state_format import parse_state
+
+if TYPE_CHECKING:
+    from .pinning import Transfer
 
 __all__ = ["LoadedState", "PassPlanner", "pass_kind"]
 
@@ -174,6 +174,8 @@ class PassPlanner:
     def load_state_dict(self, state: Any, arguments: PassArguments) -> None:
         """``DataLoader.load_state_dict()``: check ``state`` against the loader now, and keep
         it for the next pass."""
+        from .state_format import parse_state  # (only a loaded state needs it)
+
         parsed = parse_state(state)
         progress = parsed.progress
         in_progress = parsed.in_progress
@@ -223,6 +225,8 @@ class PassPlanner:
         stats.method_choice = self.method_choice
         if arguments.tuner is not None:
             # "auto": the pass feeds its counters to the controller (also stats()["tuning"]).
+            from .pass_tuning import PassTuning  # (imported only with a controller to feed)
+
             setup = setup._replace(tuning=PassTuning(arguments.tuner, stats))
         setup = setup._replace(hang=hang_watch(arguments, stats))
         engine = Orchestrator(backend.make, setup, owns_backend=backend.owned, stats=stats)

@@ -16,7 +16,7 @@ import numbers
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed
@@ -32,9 +32,11 @@ from .._worker.fetch import SamplePolicy, is_stateful
 from ..stats import PassStats, SkipCap
 from .hang import NO_HANG_REPORT, HangWatch
 from .measure import usable_cores
-from .pass_tuning import auto_arguments
 from .resume import SamplerStack, StreamPoint, check_generator_count
-from .state_format import ParsedState, check_fit
+
+if TYPE_CHECKING:
+    from .pass_tuning import AutoArguments as AutoChoice
+    from .state_format import ParsedState
 
 __all__ = [
     "AutoArguments",
@@ -126,14 +128,7 @@ def resolve_arguments(dataset: Any, sharding: ShardArguments, auto: AutoArgument
         )
     # num_workers / prefetch_factor / worker_concurrency "auto" (docs/tuning.md): torch sees
     # the integers the workers are built with, and the controller keeps the rest.
-    chosen = auto_arguments(
-        auto.num_workers,
-        auto.prefetch_factor,
-        auto.worker_concurrency,
-        auto.max_memory,
-        iterable=isinstance(dataset, IterableDataset),
-        is_async=is_async_dataset(dataset, int(isinstance(dataset, IterableDataset))),
-    )
+    chosen = _auto_choice(auto, dataset)
     resolved: tuple[Any, Any, Any] = (
         auto.num_workers,
         auto.prefetch_factor,
@@ -151,6 +146,27 @@ def resolve_arguments(dataset: Any, sharding: ShardArguments, auto: AutoArgument
         shard_sampler,
         chosen.controller if chosen is not None else None,
         *resolved,
+    )
+
+
+def _auto_choice(auto: AutoArguments, dataset: Any) -> AutoChoice | None:
+    """``pass_tuning.auto_arguments``'s check and choice; None when there is nothing to tune.
+
+    NOTE: the controller's modules (``pass_tuning``, ``tuning``) are imported only when a loader
+    has an ``"auto"`` value or a ``max_memory``: nothing else in a pass runs them, and their
+    import counted in the time to a default loader's first batch. Without any of those,
+    ``auto_arguments`` checks nothing and returns None, so this returns None before it."""
+    values = (auto.num_workers, auto.prefetch_factor, auto.worker_concurrency)
+    if auto.max_memory is None and not any(isinstance(value, str) for value in values):
+        return None
+    from .pass_tuning import auto_arguments
+
+    iterable = isinstance(dataset, IterableDataset)
+    return auto_arguments(
+        *values,
+        auto.max_memory,
+        iterable=iterable,
+        is_async=is_async_dataset(dataset, int(iterable)),
     )
 
 
@@ -571,6 +587,8 @@ def fit_state(loader: PassArguments, parsed: ParsedState) -> None:
     ``loader``'s workers where their number changed and they hold no state."""
     progress = parsed.progress
     in_progress = parsed.in_progress
+    from .state_format import check_fit  # (only a loaded state needs it)
+
     iterable = loader.dataset_kind == 1
     check_fit(parsed, iterable=iterable, batches=pass_length(loader))
     streams = max(1, loader.num_workers)
