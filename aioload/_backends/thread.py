@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import itertools
 import os
 import queue
@@ -159,6 +160,7 @@ class _ThreadWorker:
         from .._worker.main import WorkerStep
 
         install_thread_hook()
+        _one_intra_op_thread()
         try:
             # Made here: worker_init_fn and get_worker_info() are this thread's.
             step = WorkerStep(self.config, slabs=None, place="thread")
@@ -261,6 +263,53 @@ class _ThreadWorker:
 
 async def _resize(step: WorkerStep, concurrency: int) -> None:
     step.set_concurrency(concurrency)
+
+
+# NOTE [ Thread workers' intra-op threads ]
+#
+# A worker process runs torch with one intra-op thread (torch.set_num_threads(1), as torch's
+# own workers do): its collate, a torch.stack of the batch, is one copy on one core. A thread
+# worker cannot call torch.set_num_threads, which is the whole process's (the training loop's
+# too). Left alone, each worker thread's collate runs an OpenMP team as wide as the process's
+# setting: two worker threads on two cores ran four copying threads, whose spin-waits after
+# each copy took the CPU the other worker was decoding on (the jpeg benchmark). So each
+# worker thread sets its own OpenMP limit, a per-thread setting (the "nthreads-var" ICV) that
+# torch's parallel_for reads through omp_get_max_threads(): the threads that are not workers,
+# the consumer's included, keep the process's setting. torch initialises a thread's limit
+# from its process-wide setting the first time the thread asks (at::get_num_threads), which
+# would undo ours: torch.get_num_threads() is called first for that. Where the OpenMP runtime
+# is not found (a torch built without OpenMP, or no /proc), nothing changes.
+
+
+def _one_intra_op_thread() -> None:
+    """This worker thread's torch ops run on one intra-op thread (see the NOTE above)."""
+    import torch
+
+    runtime = _openmp_runtime()
+    if runtime is None:
+        return
+    torch.get_num_threads()  # (this thread's limit initialised first: see the NOTE)
+    runtime.omp_set_num_threads(1)
+
+
+@functools.cache
+def _openmp_runtime() -> Any:
+    """The OpenMP runtime torch loaded (libgomp, Intel's libiomp5 or LLVM's libomp), from the
+    process's memory map; None where there is none (or no /proc)."""
+    import ctypes
+    import re
+
+    try:
+        with open("/proc/self/maps") as maps:
+            found = re.search(r"(/\S*/lib(?:gomp|iomp5|omp)[^/\s]*\.so[^/\s]*)$", maps.read(), re.M)
+    except OSError:
+        return None
+    if found is None:
+        return None
+    try:
+        return ctypes.CDLL(found.group(1))
+    except OSError:
+        return None
 
 
 def _by_reference(result: Produced) -> Any:

@@ -5,6 +5,7 @@ promise, and checkpoints that move between worker methods."""
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import warnings
@@ -453,3 +454,34 @@ def test_in_order_false_with_persistent_thread_workers() -> None:
     where = loader.stats().as_dict()["workers"]
     assert len(where) == 2
     loader.shutdown()
+
+
+_INTRA_OP = """
+import json, threading
+import torch
+from torch.utils.data import Dataset
+import aioload
+
+class IntraOp(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return torch.get_num_threads()
+
+torch.set_num_threads(2)
+loader = aioload.DataLoader(IntraOp(), batch_size=2, num_workers=2, worker_method="thread")
+workers = sorted({n for b in loader for n in b.tolist()})
+other = []
+thread = threading.Thread(target=lambda: other.append(torch.get_num_threads()))
+thread.start()
+thread.join()
+print(json.dumps([workers, torch.get_num_threads(), other[0]]))
+"""
+
+
+def test_each_worker_thread_runs_torch_on_one_intra_op_thread() -> None:
+    # As a worker process does (torch.set_num_threads(1)), but the thread's own setting: the
+    # consumer's thread, and any thread that is not a worker, keep the process's two.
+    # NOTE [ Thread workers' intra-op threads ]
+    assert json.loads(run_fresh(_INTRA_OP)) == [[1], 2, 2]
