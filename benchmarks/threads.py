@@ -2,15 +2,18 @@
 
 For the ``jpeg`` (real JPEGs decoded and augmented with Pillow and numpy), ``tiny`` and
 ``image`` workloads, each loader runs in a fresh process: aioload with
-``worker_method="thread"``, with ``"multiprocessing"``, with ``"auto"``, and torch's
-DataLoader. Each run reports items/s over its steady state (from the first batch on, at least
+``worker_method="thread"``, with ``"multiprocessing"`` under Python's default start method
+(fork on Linux before Python 3.14) and under ``"forkserver"`` (the default from 3.14, and what a
+process that uses CUDA must use), with ``"auto"``, and torch's DataLoader. Under fork the
+workers share the parent's pages (torch's among them) until they write to them; a forkserver's
+workers each import torch and the dataset's modules themselves. Each run reports items/s over its steady state (from the first batch on, at least
 ``--min-seconds``), the time to its first batch (from the loader's construction, its imports
 done beforehand; the workers' start and ``"auto"``'s trial included) and its peak memory: the sum of PSS
 (``/proc/<pid>/smaps_rollup``) over the run's process and its workers, sampled while it runs
 (RSS would count the pages parent and workers share once per process). Runs alternate (every
 loader once per round, the order rotated each round) and the medians are reported.
 
-    python -m benchmarks.threads                # 3 rounds (about 3 minutes)
+    python -m benchmarks.threads                # 3 rounds (about 4 minutes)
     python -m benchmarks.threads --quick        # a smoke run
     python -m benchmarks.threads --json docs/benchmarks-threads.json --docs docs/benchmarks.md
 """
@@ -31,7 +34,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = {"jpeg": (100_000, 32), "tiny": (4_000_000, 256), "image": (400_000, 64)}
-LOADERS = ("thread", "multiprocessing", "auto", "torch")
+LOADERS = ("thread", "multiprocessing", "forkserver", "auto", "torch")
+# Loaders that are aioload's worker processes, each under its start method (None: Python's
+# default, named in the results as the one it was).
+PROCESS_START = {"multiprocessing": None, "forkserver": "forkserver"}
 BEGIN, END = "<!-- threads:start (make bench writes this section) -->", "<!-- threads:end -->"
 SAMPLE_PERIOD_S = 0.05
 
@@ -41,6 +47,8 @@ SAMPLE_PERIOD_S = 0.05
 
 def run_one(loader_name: str, workload: str, workers: int, min_seconds: float) -> dict[str, Any]:
     """Items/s from the first batch on, the first batch's time, and what "auto" chose."""
+    import multiprocessing
+
     import torch
 
     import aioload
@@ -51,7 +59,11 @@ def run_one(loader_name: str, workload: str, workers: int, min_seconds: float) -
     dataset[0]  # (the files are drawn, and the modules imported, before the clock starts)
     kwargs: dict[str, Any] = {"batch_size": batch_size, "num_workers": workers}
     make: Any = torch.utils.data.DataLoader
-    if loader_name != "torch":
+    if loader_name in PROCESS_START:
+        make, kwargs["worker_method"] = aioload.DataLoader, "multiprocessing"
+        start_method = PROCESS_START[loader_name] or multiprocessing.get_start_method()
+        kwargs["multiprocessing_context"] = start_method
+    elif loader_name != "torch":
         make, kwargs["worker_method"] = aioload.DataLoader, loader_name
     # A first loader, never iterated, imports what constructing one needs (a few hundred ms,
     # the same for every worker method): the clock times the pass, not the imports.
@@ -72,6 +84,8 @@ def run_one(loader_name: str, workload: str, workers: int, min_seconds: float) -
     result: dict[str, Any] = {"items_per_s": rate, "first_batch_s": first_s}
     if loader_name == "auto":
         result["choice"] = loader.stats().as_dict()["tuning"]["worker_method"]
+    if loader_name in PROCESS_START:
+        result["start_method"] = start_method
     del batch, loader
     _let_worker_threads_finish()
     return result
@@ -107,15 +121,22 @@ def pss_bytes(pid: int) -> int:
     return 0
 
 
-def tree_pss(root: int) -> int:
-    """The PSS of ``root`` and every process below it, summed."""
+def tree_pids(root: int) -> list[int]:
+    """``root`` and every process below it: its workers, and under forkserver the fork server
+    (a child of ``root``) and the workers it forked (its children, ``root``'s grandchildren),
+    and multiprocessing's resource tracker."""
     import psutil
 
     try:
-        pids = [root, *(p.pid for p in psutil.Process(root).children(recursive=True))]
+        return [root, *(p.pid for p in psutil.Process(root).children(recursive=True))]
     except psutil.NoSuchProcess:
-        return 0
-    return sum(pss_bytes(pid) for pid in pids)
+        return []
+
+
+def tree_pss(root: int) -> int:
+    """The PSS of ``root`` and every process below it, summed (PSS divides each shared page
+    among the processes that map it, so the sum counts it once)."""
+    return sum(pss_bytes(pid) for pid in tree_pids(root))
 
 
 def measure(loader_name: str, workload: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -179,20 +200,26 @@ def medians(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row[key] = statistics.median(r[key] for r in mine)
         if name == "auto":
             row["chose"] = sorted({r["choice"]["value"] for r in mine})
+        if name in PROCESS_START:
+            row["start_method"] = mine[0]["start_method"]
         rows.append(row)
     return rows
 
 
 def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The targets: jpeg threads vs processes (items/s >= 0.95x, memory <= 0.6x, first batch
-    <= 0.5x); tiny "auto" >= 0.9x the better of threads and processes."""
+    <= 0.5x), against processes under the default start method and, as ``*_forkserver``,
+    under forkserver; tiny "auto" >= 0.9x the better of threads and processes."""
     by = {(r["workload"], r["loader"]): r for r in rows}
     out: dict[str, Any] = {}
-    t, p = by.get(("jpeg", "thread")), by.get(("jpeg", "multiprocessing"))
-    if t and p:
-        out["jpeg_items_per_s"] = _ratio(t["items_per_s"], p["items_per_s"], ">=", 0.95)
-        out["jpeg_memory"] = _ratio(t["peak_pss_bytes"], p["peak_pss_bytes"], "<=", 0.6)
-        out["jpeg_first_batch"] = _ratio(t["first_batch_s"], p["first_batch_s"], "<=", 0.5)
+    t = by.get(("jpeg", "thread"))
+    for loader, suffix in (("multiprocessing", ""), ("forkserver", "_forkserver")):
+        p = by.get(("jpeg", loader))
+        if not (t and p):
+            continue
+        out[f"jpeg_items_per_s{suffix}"] = _ratio(t["items_per_s"], p["items_per_s"], ">=", 0.95)
+        out[f"jpeg_memory{suffix}"] = _ratio(t["peak_pss_bytes"], p["peak_pss_bytes"], "<=", 0.6)
+        out[f"jpeg_first_batch{suffix}"] = _ratio(t["first_batch_s"], p["first_batch_s"], "<=", 0.5)
     a = by.get(("tiny", "auto"))
     best = max(
         (
@@ -218,6 +245,7 @@ def _ratio(value: float, against: float, sense: str, bound: float) -> dict[str, 
 _NAMES = {
     "thread": 'aioload, `worker_method="thread"`',
     "multiprocessing": 'aioload, `"multiprocessing"`',
+    "forkserver": 'aioload, `"multiprocessing"`',
     "auto": 'aioload, `"auto"`',
     "torch": "torch",
 }
@@ -230,8 +258,12 @@ def table(rows: list[dict[str, Any]]) -> str:
     ]
     for row in rows:
         chose = ", ".join(row.get("chose", [])) or "-"
+        name = _NAMES[row["loader"]]
+        if row["loader"] in PROCESS_START:
+            default = " (the default)" if PROCESS_START[row["loader"]] is None else ""
+            name += f", {row.get('start_method', 'default start method')}{default}"
         lines.append(
-            f"| {row['workload']} | {_NAMES[row['loader']]} | {row['items_per_s']:,.0f} "
+            f"| {row['workload']} | {name} | {row['items_per_s']:,.0f} "
             f"| {row['first_batch_s'] * 1e3:,.0f} ms | {row['peak_pss_bytes'] / 2**20:,.0f} MiB "
             f"| {chose} |"
         )
@@ -240,9 +272,12 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def _target_lines(result: dict[str, Any]) -> list[str]:
     words = {
-        "jpeg_items_per_s": "jpeg, threads' items/s over processes'",
-        "jpeg_memory": "jpeg, threads' peak memory over processes'",
-        "jpeg_first_batch": "jpeg, threads' first batch over processes'",
+        "jpeg_items_per_s": "jpeg, threads' items/s over processes' (default start method)",
+        "jpeg_memory": "jpeg, threads' peak memory over processes' (default start method)",
+        "jpeg_first_batch": "jpeg, threads' first batch over processes' (default start method)",
+        "jpeg_items_per_s_forkserver": "jpeg, threads' items/s over processes' (forkserver)",
+        "jpeg_memory_forkserver": "jpeg, threads' peak memory over processes' (forkserver)",
+        "jpeg_first_batch_forkserver": "jpeg, threads' first batch over processes' (forkserver)",
         "tiny_auto_items_per_s": 'tiny, `"auto"`\'s items/s over the better of the two',
     }
     return [
@@ -262,6 +297,10 @@ def section(result: dict[str, Any]) -> str:
             f" on {machine['cores']} cores ({machine['cpu']}), Python {machine['python']},"
             f" torch {machine['torch']}, load average {machine['load_average']};"
             f" {result['date']}, commit `{result['commit']}`."
+            " aioload's processes run under the default start method here (fork, which"
+            " shares the parent's pages with the workers) and under forkserver (Python"
+            " 3.14's default on Linux, and what a process that uses CUDA must use: each"
+            " worker imports torch itself)."
             " jpeg: real 224x224 JPEGs decoded with Pillow and augmented with numpy into"
             " float32 tensors, batch 32; tiny: scalar tensors, batch 256; image: uint8"
             " 3x224x224, batch 64. Items/s from the first batch on; the first batch timed from"
