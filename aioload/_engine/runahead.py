@@ -23,10 +23,12 @@ because its workers are starting, not because samples are uneven, and it starts 
 window exactly: ``prefetch_factor * num_workers`` tasks, then one more per batch.
 
 A late head is noticed only when the engine wakes: in order it sleeps until the head's
-worker answers (``Ledger.awaited``), so while answers wait behind a late head and the workers
-could run further, its sleep is cut to ``tick`` (with three workers or more), half the mean time a task takes (within
-``TICK_MIN_S`` and ``TICK_MAX_S``): about two wake-ups per task time while the head is late,
-none while it is not.
+worker answers (``Ledger.awaited``). While the head is late and the workers could run further
+(with three workers or more), any worker's answer ends the wait instead (``wakes_on_any``),
+and that worker is topped up at once: waiting on the head's worker alone, the others ran dry
+behind it. While answers wait behind a late head, the sleep is also cut to ``tick``, half the
+mean time a task takes (within ``TICK_MIN_S`` and ``TICK_MAX_S``). While the head is on time,
+neither costs a wake-up.
 """
 
 from __future__ import annotations
@@ -160,6 +162,20 @@ class RunAhead:
         beyond = ledger.unyielded - capacity
         if beyond > self._stats.run_ahead_peak:
             self._stats.run_ahead_peak = beyond
+
+    def wakes_on_any(self) -> bool:
+        """Whether the engine's next wait ends at any worker's answer rather than only the
+        head's: while the head is late and workers may run further ahead (three workers or
+        more). A worker that answers then has its queue topped up at once; waiting on the
+        head's worker alone, the others would run dry behind it and sit idle until it
+        answers."""
+        ledger = self._ledger
+        return (
+            self._ticks
+            and self.limit > 0
+            and ledger.unyielded < self.capacity + self.limit
+            and ledger.head_late()
+        )
 
     def sleep_bound(self) -> float:
         """The longest the engine may sleep: while workers are ahead of a late head (their

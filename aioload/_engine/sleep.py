@@ -49,8 +49,11 @@ class PlannedWait:
     ) -> None:
         """What is held back is sent (``flush``), then what may end the wait is asked
         (``waitable``), and how long it may last: the backend's budget, the hang report's
-        and ``timeout``'s limit, and run-ahead's bound."""
+        and ``timeout``'s limit, and run-ahead's bound. While workers run ahead of a late
+        head, any worker's answer ends the wait (``RunAhead.wakes_on_any``)."""
         backend.flush()
+        if awaited is not None and ahead.wakes_on_any():
+            awaited = None
         self.waitable = waitable = backend.waitable(awaited)
         left = hang.sleep_limit(deadline, waitable, backend, ledger)
         if waitable.work is None:

@@ -123,8 +123,12 @@ def test_each_wait_names_the_worker_whose_batch_is_next(front: str) -> None:
     backend.clock = VirtualClock()
     assert _drain(_engine(backend, BATCHES)) == BATCHES
     assert len(backend.awaited) >= 3
-    for awaited, unanswered in backend.awaited:
+    # (Once the first window is handed over, workers may run ahead of a late head, and then
+    # any answer ends a wait: RunAhead.wakes_on_any, tested in test_run_ahead.)
+    for awaited, unanswered in backend.awaited[:3]:
         assert awaited == unanswered[min(unanswered)]
+    for awaited, unanswered in backend.awaited:
+        assert awaited is None or awaited == unanswered[min(unanswered)]
     backend = FakeBackend(3, delay=lambda t: 0.002 * (12 - t))
     backend.clock = VirtualClock()
     got = _drain(_engine(backend, BATCHES, in_order=False))

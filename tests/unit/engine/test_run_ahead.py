@@ -74,6 +74,20 @@ def test_idle_workers_run_ahead_of_a_late_head() -> None:
     assert "run-ahead: up to" in str(stats)
 
 
+def test_while_workers_run_ahead_any_answer_ends_a_wait() -> None:
+    # Waiting on the late head's worker alone, the others would run dry behind it and sit
+    # idle until it answers: while they may run further ahead, any worker's answer wakes the
+    # engine, which tops that worker up at once. Before the first window is handed over (no
+    # run-ahead yet), and once the head is on time, a wait names the head's worker.
+    backend, _engine_, got = _run(_late_head)
+    assert got == BATCHES
+    late = [a for a, u in backend.awaited if SLOW in u and min(u) == SLOW]
+    # (Once the run-ahead reaches its limit, the wait is the head's worker's again.)
+    assert len(late) > 5 and late[:5] == [None] * 5, late[:8]
+    assert late[-1] == SLOW % WORKERS, "at the limit, the head's worker"
+    assert all(awaited == u[min(u)] for awaited, u in backend.awaited[:2])
+
+
 def test_the_run_ahead_stays_within_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runahead, "RUN_AHEAD_WINDOWS", 1)
     backend, engine, got = _run(_late_head)
