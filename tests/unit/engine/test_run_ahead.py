@@ -79,7 +79,7 @@ def test_while_workers_run_ahead_any_answer_ends_a_wait() -> None:
     # idle until it answers: while they may run further ahead, any worker's answer wakes the
     # engine, which tops that worker up at once. Before the first window is handed over (no
     # run-ahead yet), and once the head is on time, a wait names the head's worker.
-    backend, _engine_, got = _run(_late_head)
+    backend, _, got = _run(_late_head)
     assert got == BATCHES
     late = [a for a, u in backend.awaited if SLOW in u and min(u) == SLOW]
     # (Once the run-ahead reaches its limit, the wait is the head's worker's again.)
