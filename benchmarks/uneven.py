@@ -238,18 +238,18 @@ def table(result: dict[str, Any]) -> str:
     """The markdown table: one line per (sigma, workers), one column per loader and order."""
     rows = {_key(r): r for r in result["rows"]}
     pairs = sorted({(r["sigma"], r["workers"]) for r in result["rows"]})
-    head = "| sigma | workers | round-robin bound | aioload, in order "
-    head += "| aioload, in order, `seed_per_sample` "
-    head += "| aioload, `in_order=False` | torch, in order | torch, `in_order=False` "
-    head += "| aioload in order: busy, waiting in order (mean) |"
-    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    head = "| sigma | workers | bound | aioload | aioload, seeded per sample "
+    head += "| aioload, out of order | torch (out of order) | busy, waiting |"
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
     for sigma, workers in pairs:
         cells = [f"{round_robin_bound(sigma, workers, result):.0%}"]
-        cells += [_cell(rows, (sigma, workers, *loader)) for loader in LOADERS]
+        cells += [_cell(rows, (sigma, workers, *loader)) for loader in LOADERS[:3]]
+        torch_in, torch_out = (_cell(rows, (sigma, workers, *loader)) for loader in LOADERS[3:])
+        cells.append(f"{torch_in} ({torch_out})")
         aio = rows.get((sigma, workers, "aioload", True, False), {})
         busy, wait = aio.get("busy_share"), aio.get("waiting_in_order_mean")
-        detail = "-" if busy is None else f"{busy:.0%}, {wait:.1f}"
-        lines.append(f"| {sigma:g} | {workers} | " + " | ".join(cells) + f" | {detail} |")
+        cells.append("-" if busy is None else f"{busy:.0%}, {wait:.1f}")
+        lines.append(f"| {sigma:g} | {workers} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -281,7 +281,11 @@ def section(result: dict[str, Any]) -> str:
             " loader can beat the *round-robin bound*: the floor over the slowest share's time,"
             " computed from the drawn times. With `seed_per_sample` a batch does not depend on"
             " the worker that fetches it, and aioload sends each task to the least busy worker"
-            " ([Tuning](tuning.md#run-ahead)), still yielding in order.",
+            " ([Tuning](tuning.md#run-ahead)), still yielding in order. Columns: *bound*, the"
+            " round-robin bound; *aioload* and *torch*, in order (the default); *out of order*"
+            " (in parentheses for torch), `in_order=False`; *seeded per sample*, in order with `seed_per_sample=True`; *busy,"
+            " waiting*, aioload in order's workers' busy share and the answers waiting in order"
+            " at a hand-over (mean).",
             "",
             _provenance(result),
             "",

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 # The benchmark reports (docs/benchmarks.md, and any docs/benchmarks-NAME.md a benchmark
 # writes) state when and at which commit their run was made.
-DATED_PAGES = {str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("benchmarks*.md")}
+# The benchmark pages, and the notes behind them, where dated measurements belong.
+DATED_PAGES = {str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("benchmark*.md")}
 
 PROJECT_WORDS = [
     r"\bissues? #?\d+",
