@@ -36,6 +36,12 @@ from ..scripts.stateful import (
     SelfIterating,
 )
 
+# A dataset that is its own iterator: its tests run on worker processes only.
+ONE_STREAM = pytest.mark.processes_only(
+    "a dataset that is its own iterator is one stream, which thread workers refuse to share "
+    "(a TypeError: docs/threads.md); each worker process has its own copy"
+)
+
 Make = Callable[[], aioload.DataLoader[Any]]
 Epochs = list[list[Any]]
 
@@ -239,10 +245,7 @@ def test_an_iterators_state_is_loaded_after_iter(num_workers: int, boundary: str
     )
 
 
-@pytest.mark.processes_only(
-    "a dataset that is its own iterator is one stream, which thread workers refuse to share "
-    "(a TypeError: docs/threads.md); each worker process has its own copy"
-)
+@ONE_STREAM
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("boundary", ["mid-epoch", "between-epochs"])

@@ -20,7 +20,7 @@ import torch
 import aioload
 
 from ..scripts.stateful import CursorStream, EpochStream, RngMap, RngSampler, SelfIterating
-from .test_stateful import _interrupted, _uninterrupted
+from .test_stateful import ONE_STREAM, _interrupted, _uninterrupted
 
 stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
 
@@ -56,10 +56,7 @@ def test_same_batches_as_statefuldataloader(case: str, num_workers: int, boundar
     _compare(case, num_workers, boundary)
 
 
-@pytest.mark.processes_only(
-    "a dataset that is its own iterator is one stream, which thread workers refuse to share "
-    "(a TypeError: docs/threads.md); each worker process has its own copy"
-)
+@ONE_STREAM
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("boundary", ["mid-epoch", "between-epochs"])
