@@ -8,9 +8,12 @@ returns, and its caller performs the wait the way its front end waits, then come
 
 from __future__ import annotations
 
+import asyncio
 import math
+import sys
 from typing import TYPE_CHECKING
 
+from .._aio.waiting import running_asyncio_loop
 from .._backends.base import Waitable
 
 if TYPE_CHECKING:
@@ -72,6 +75,8 @@ class PlannedWait:
             await waitable.work.work()
         elif (timeout := self.seconds) > 0:
             await self._waiter.wait(waitable.descriptor, timeout)
+            if _scope_cancelled():
+                await asyncio.sleep(0)  # NOTE [a wait that ended as it was cancelled]
             return waitable.descriptor is not None or timeout != math.inf
         return False
 
@@ -84,3 +89,19 @@ class PlannedWait:
         if (timeout := self.seconds) > 0:
             self._waiter.wait_blocking(waitable.descriptor, timeout)
         return True
+
+
+def _scope_cancelled() -> bool:
+    """NOTE [a wait that ended as it was cancelled]: whether an anyio cancel scope around the
+    calling task has been cancelled. Under asyncio, anyio delivers a scope's cancellation by
+    cancelling the task where it waits; where the future it waits on is already done (a
+    worker's answer came in the same turn of the loop), it leaves the task alone and tries
+    again on the next turn. The wait then ends as if nothing had been asked, and the batch
+    would be handed over past the checkpoint the cancellation was meant for. One more turn of
+    the loop (``asyncio.sleep(0)``) lets it through, before the batch is taken. Checked only
+    where anyio has been imported (a scope needs it): a lookup of a few microseconds."""
+    if "anyio" not in sys.modules or running_asyncio_loop() is None:
+        return False
+    import anyio
+
+    return anyio.current_effective_deadline() == -math.inf
