@@ -24,6 +24,7 @@ from typing import Any
 
 from benchmarks import startup, uneven
 from benchmarks.runner import run_child
+from benchmarks.threads import _commit, _machine
 from benchmarks.workloads import WORKLOADS
 
 WORKERS = (2, 4, 8, 14)
@@ -82,6 +83,10 @@ def measure(args: Any) -> dict[str, Any]:
             _print(rows[-1])
     return {
         "command": " ".join(["python -m benchmarks.cores", *args.argv]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        # A copy of the tree without .git (a borrowed machine's) is named by --commit.
+        "commit": args.commit or _commit(),
+        "machine": _machine(),
         "cores": os.cpu_count(),
         "seconds": time.monotonic() - started,
         "quick": args.quick,
@@ -152,7 +157,8 @@ def section(result: dict[str, Any]) -> str:
             BEGIN,
             "## Many cores, measured (`make bench-cores`)",
             "",
-            f"On {result['cores']} cores, one round, each run a fresh process, in "
+            f"On {_machine_words(result)}, with the code of commit {result.get('commit', '?')}, "
+            f"{result.get('date', 'date not recorded')}; one round, each run a fresh process, in "
             f"{result['seconds'] / 60:.1f} minutes: aioload and torch as a share of each "
             "workload's floor (for tiny and image, `num_workers` processes that only make and "
             "stack the samples; for the uneven workload, the samples' total sleep over "
@@ -167,6 +173,16 @@ def section(result: dict[str, Any]) -> str:
     )
 
 
+def _machine_words(result: dict[str, Any]) -> str:
+    machine = result.get("machine")
+    if not machine:
+        return f"{result['cores']} cores"
+    return (
+        f"{machine['cores']} cores ({machine['cpu']}), Python {machine['python']}, "
+        f"torch {machine['torch']}"
+    )
+
+
 def write_docs(path: Path, result: dict[str, Any]) -> None:
     uneven.write_section(path, section(result), BEGIN, END)
 
@@ -177,7 +193,7 @@ def parse_args(argv: list[str]) -> Any:
     p.add_argument("--workers", default=",".join(map(str, WORKERS)))
     p.add_argument("--workloads", default=",".join(WORKLOADS_MEASURED))
     p.add_argument("--scale", type=float, default=0.25, help="dataset sizes (x each default)")
-    p.add_argument("--min-seconds", type=float, default=1.5, help="steady state per run")
+    p.add_argument("--min-seconds", type=float, default=3.0, help="steady state per run")
     p.add_argument("--sigma", type=float, default=1.0, help="the uneven workload's spread")
     p.add_argument("--per-worker", type=int, default=150, help="uneven samples per worker")
     p.add_argument("--mean-ms", type=float, default=10.0)
@@ -186,6 +202,7 @@ def parse_args(argv: list[str]) -> Any:
     p.add_argument("--json", type=Path, default=Path("docs/benchmarks-cores.json"))
     p.add_argument("--docs", type=Path, default=Path("docs/benchmarks.md"))
     p.add_argument("--no-write", action="store_true", help="print only")
+    p.add_argument("--commit", default="", help="the code's commit, where the tree has no .git")
     args = p.parse_args(argv)
     args.argv = argv
     args.aioload_root = None

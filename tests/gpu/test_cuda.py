@@ -33,24 +33,41 @@ class Images(Dataset[dict[str, Any]]):
         }
 
 
+# pin_memory and device= over both kinds of local worker (thread workers hand batches over by
+# reference, so pinning starts from a tensor a worker thread made, not from a shared slab).
+WORKER_METHODS = pytest.mark.parametrize("worker_method", ["multiprocessing", "thread"])
+
+
 def _cpu_batches(n: int = 96, batch_size: int = 8) -> list[dict[str, Any]]:
     return list(torch.utils.data.DataLoader(Images(n), batch_size=batch_size))
 
 
-def test_pinned_batches_match_cpu_and_are_pinned() -> None:
+@WORKER_METHODS
+def test_pinned_batches_match_cpu_and_are_pinned(worker_method: str) -> None:
     ref = _cpu_batches()
-    got = list(aioload.DataLoader(Images(), batch_size=8, num_workers=2, pin_memory=True))
+    loader = aioload.DataLoader(
+        Images(), batch_size=8, num_workers=2, pin_memory=True, worker_method=worker_method
+    )
+    got = list(loader)
     assert len(got) == len(ref)
     for a, b in zip(got, ref, strict=True):
         assert a["image"].is_pinned() and a["label"].is_pinned()
         assert torch.equal(a["image"], b["image"]) and torch.equal(a["label"], b["label"])
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_device_batches_match_cpu_over_many_epochs(num_workers: int) -> None:
+@pytest.mark.parametrize(
+    ("num_workers", "worker_method"),
+    [(0, "multiprocessing"), (2, "multiprocessing"), (2, "thread")],
+)
+def test_device_batches_match_cpu_over_many_epochs(num_workers: int, worker_method: str) -> None:
     ref = _cpu_batches()
     loader = aioload.DataLoader(
-        Images(), batch_size=8, num_workers=num_workers, device="cuda", persistent_workers=False
+        Images(),
+        batch_size=8,
+        num_workers=num_workers,
+        device="cuda",
+        persistent_workers=False,
+        worker_method=worker_method,
     )
     for _ in range(5):
         got = list(loader)
@@ -61,9 +78,13 @@ def test_device_batches_match_cpu_over_many_epochs(num_workers: int) -> None:
             assert torch.equal(a["label"].cpu(), b["label"])
 
 
-def test_batches_kept_alive_stay_correct() -> None:
+@WORKER_METHODS
+def test_batches_kept_alive_stay_correct(worker_method: str) -> None:
     ref = _cpu_batches(192)
-    kept = list(aioload.DataLoader(Images(192), batch_size=8, num_workers=2, device="cuda"))
+    loader = aioload.DataLoader(
+        Images(192), batch_size=8, num_workers=2, device="cuda", worker_method=worker_method
+    )
+    kept = list(loader)
     # Churn the caching allocator so that early reuse of any kept block would show.
     for _ in range(20):
         junk = torch.empty(8 * 3 * 64 * 64, dtype=torch.uint8, device="cuda").fill_(7)
@@ -91,11 +112,13 @@ def test_stream_ordering_under_a_long_kernel() -> None:
     assert [int(s) for s in sums] == expected
 
 
+@WORKER_METHODS
 @pytest.mark.asyncio
-async def test_device_batches_under_async_for() -> None:
+async def test_device_batches_under_async_for(worker_method: str) -> None:
     ref = _cpu_batches()
-    got = [
-        b async for b in aioload.DataLoader(Images(), batch_size=8, num_workers=2, device="cuda")
-    ]
+    loader = aioload.DataLoader(
+        Images(), batch_size=8, num_workers=2, device="cuda", worker_method=worker_method
+    )
+    got = [b async for b in loader]
     for a, b in zip(got, ref, strict=True):
         assert torch.equal(a["image"].cpu(), b["image"])
