@@ -5,7 +5,8 @@ answers waiting in order.
 
 Each run is a fresh process (``benchmarks._one``, as ``make bench`` runs them; the uneven
 workload's from ``benchmarks.uneven``), one round, the loaders alternating per worker count.
-Made for a 16-core machine, where it takes about 4 minutes; it writes
+Made for a 16-core machine, where it takes about 4 minutes (the floor runs first at each worker
+count and sizes the loaders' datasets, so that one epoch outlasts the steady state); it writes
 ``docs/benchmarks-cores.json`` and the "Many cores, measured" section of docs/benchmarks.md.
 
     python -m benchmarks.cores                      # the full run
@@ -30,10 +31,24 @@ from benchmarks.workloads import WORKLOADS
 WORKERS = (2, 4, 8, 14)
 WORKLOADS_MEASURED = ("tiny", "image")
 LOADERS = ("floor", "aioload", "torch")
+# An epoch lasts the steady state and this much more, at the floor's rate (start-up, a slower
+# loader's first seconds).
+EPOCH_MARGIN_S = 2.0
 BEGIN, END = "<!-- cores:start (make bench-cores writes this section) -->", "<!-- cores:end -->"
 
 
-def _one(loader: str, workload: str, workers: int, args: Any) -> dict[str, Any]:
+def _size(workload: str, args: Any, floor_rate: float | None) -> int:
+    """The dataset's length: one epoch outlasts the steady state even at the floor's rate, so
+    that a run measures one pass, as on 2 cores (without persistent workers, each new epoch
+    starts the workers again, which the floor's processes never do)."""
+    spec = WORKLOADS[workload]
+    size = max(spec.batch_size * 8, int(spec.default_size * args.scale))
+    if floor_rate:
+        size = max(size, int(floor_rate * (args.min_seconds + EPOCH_MARGIN_S)))
+    return size
+
+
+def _one(loader: str, workload: str, workers: int, args: Any, size: int) -> dict[str, Any]:
     spec = WORKLOADS[workload]
     child = [
         "--loader",
@@ -43,7 +58,7 @@ def _one(loader: str, workload: str, workers: int, args: Any) -> dict[str, Any]:
         "--workload",
         workload,
         "--size",
-        str(max(spec.batch_size * 8, int(spec.default_size * args.scale))),
+        str(size),
         "--batch-size",
         str(spec.batch_size),
         "--num-workers",
@@ -56,6 +71,8 @@ def _one(loader: str, workload: str, workers: int, args: Any) -> dict[str, Any]:
         return {"error": outcome.error}
     result = outcome.result
     return {
+        "size": size,
+        "epochs": result.get("epochs"),
         "items_per_s": result["items_per_s"],
         "parent_cpu_per_batch_s": result.get("parent_cpu_per_batch_s"),
         **(result.get("loader_stats") or {}),
@@ -72,8 +89,13 @@ def measure(args: Any) -> dict[str, Any]:
     started = time.monotonic()
     for workers in args.workers:
         for workload in args.workloads:
-            for loader in LOADERS if workers % 2 == 0 else LOADERS[::-1]:
-                result = _one(loader, workload, workers, args)
+            # The floor first (it sizes the others' dataset); the loaders alternate.
+            floor = _one("floor", workload, workers, args, _size(workload, args, None))
+            rows.append({"workload": workload, "workers": workers, "loader": "floor", **floor})
+            _print(rows[-1])
+            size = _size(workload, args, floor.get("items_per_s"))
+            for loader in LOADERS[1:] if workers % 4 == 0 else LOADERS[:0:-1]:
+                result = _one(loader, workload, workers, args, size)
                 rows.append({"workload": workload, "workers": workers, "loader": loader, **result})
                 _print(rows[-1])
         for loader in ("aioload", "torch"):
@@ -195,7 +217,7 @@ def parse_args(argv: list[str]) -> Any:
     p.add_argument("--scale", type=float, default=0.25, help="dataset sizes (x each default)")
     p.add_argument("--min-seconds", type=float, default=3.0, help="steady state per run")
     p.add_argument("--sigma", type=float, default=1.0, help="the uneven workload's spread")
-    p.add_argument("--per-worker", type=int, default=150, help="uneven samples per worker")
+    p.add_argument("--per-worker", type=int, default=300, help="uneven samples per worker")
     p.add_argument("--mean-ms", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per run")
