@@ -193,6 +193,10 @@ class RunConfig:
     min_seconds: float
     max_epochs: int
     url: str = ""
+    # aioload's seed_per_sample=True (with it, in order, tasks go to the least busy worker).
+    seed_per_sample: bool = False
+    # in_order=False (aioload and torch alike).
+    out_of_order: bool = False
 
 
 def _real_aioload(cfg: RunConfig) -> bool:
@@ -205,6 +209,10 @@ def _make_loader(cfg: RunConfig, dataset: object) -> Any:
         return cls(dataset, batch_size=cfg.batch_size, num_workers=cfg.num_workers)
     workload = WORKLOADS.get(cfg.workload)
     extra = workload.loader_kwargs(on_aioload=_real_aioload(cfg)) if workload else {}
+    if cfg.seed_per_sample:
+        extra["seed_per_sample"] = True
+    if cfg.out_of_order:
+        extra["in_order"] = False
     return cls(dataset, batch_size=cfg.batch_size, num_workers=cfg.num_workers, **extra)
 
 
@@ -286,6 +294,10 @@ def loader_stats(loader: Any) -> dict[str, Any]:
     busy = [w.busy_fraction for w in stats.workers]
     found: dict[str, Any] = {
         "busy_share": sum(busy) / len(busy) if busy else None,
+        # The least and most busy worker: in order, with torch's round robin, the slowest
+        # worker sets the pace once the others have run ahead as far as they may.
+        "busy_min": min(busy, default=None),
+        "busy_max": max(busy, default=None),
         "waiting_in_order_mean": stats.waiting_in_order_mean,
         "data_bound_pct": stats.data_bound_pct,
     }
@@ -368,6 +380,8 @@ def parse_args(argv: list[str] | None) -> RunConfig:
     p.add_argument("--min-seconds", type=float, default=2.0)
     p.add_argument("--max-epochs", type=int, default=100)
     p.add_argument("--url", default="", help="the HTTP server (http workload)")
+    p.add_argument("--seed-per-sample", action="store_true", help="aioload's seed_per_sample")
+    p.add_argument("--out-of-order", action="store_true", help="in_order=False")
     a = p.parse_args(argv)
     return RunConfig(
         loader=a.loader,
@@ -380,6 +394,8 @@ def parse_args(argv: list[str] | None) -> RunConfig:
         min_seconds=a.min_seconds,
         max_epochs=a.max_epochs,
         url=a.url,
+        seed_per_sample=a.seed_per_sample,
+        out_of_order=a.out_of_order,
     )
 
 

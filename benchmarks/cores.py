@@ -30,7 +30,10 @@ from benchmarks.workloads import WORKLOADS
 
 WORKERS = (2, 4, 8, 14)
 WORKLOADS_MEASURED = ("tiny", "image")
-LOADERS = ("floor", "aioload", "torch")
+# "unordered": aioload with in_order=False, which no late batch holds up: where it reaches the
+# floor and in order does not, the line (and the slowest worker, whose turn comes round with
+# torch's round robin) is what in order waits for, not the parent.
+LOADERS = ("floor", "aioload", "unordered", "torch")
 # An epoch lasts the steady state and this much more, at the floor's rate (start-up, a slower
 # loader's first seconds).
 EPOCH_MARGIN_S = 2.0
@@ -52,7 +55,7 @@ def _one(loader: str, workload: str, workers: int, args: Any, size: int) -> dict
     spec = WORKLOADS[workload]
     child = [
         "--loader",
-        loader,
+        "aioload" if loader == "unordered" else loader,
         "--mode",
         "sync",
         "--workload",
@@ -65,6 +68,7 @@ def _one(loader: str, workload: str, workers: int, args: Any, size: int) -> dict
         str(workers),
         "--min-seconds",
         repr(args.min_seconds),
+        *(["--out-of-order"] if loader == "unordered" else []),
     ]
     outcome = run_child(child, timeout_s=args.timeout, env=startup.child_env())
     if not outcome.ok:
@@ -80,7 +84,12 @@ def _one(loader: str, workload: str, workers: int, args: Any, size: int) -> dict
 
 
 def _uneven(loader: str, workers: int, args: Any) -> dict[str, Any]:
-    config = {"loader": loader, "in_order": True, "workers": workers, "sigma": args.sigma}
+    config = {
+        "loader": "aioload" if loader == "unordered" else loader,
+        "in_order": loader != "unordered",
+        "workers": workers,
+        "sigma": args.sigma,
+    }
     return uneven.child(config, args)
 
 
@@ -94,11 +103,12 @@ def measure(args: Any) -> dict[str, Any]:
             rows.append({"workload": workload, "workers": workers, "loader": "floor", **floor})
             _print(rows[-1])
             size = _size(workload, args, floor.get("items_per_s"))
-            for loader in LOADERS[1:] if workers % 4 == 0 else LOADERS[:0:-1]:
+            loaders = [name for name in LOADERS[1:] if name in args.loaders]
+            for loader in loaders if workers % 4 == 0 else loaders[::-1]:
                 result = _one(loader, workload, workers, args, size)
                 rows.append({"workload": workload, "workers": workers, "loader": loader, **result})
                 _print(rows[-1])
-        for loader in ("aioload", "torch"):
+        for loader in [name for name in LOADERS[1:] if name in args.loaders]:
             result = _uneven(loader, workers, args)
             name = f"uneven (sigma={args.sigma:g})"
             rows.append({"workload": name, "workers": workers, "loader": loader, **result})
@@ -123,7 +133,12 @@ def _print(row: dict[str, Any]) -> None:
         else f"{row['items_per_s']:,.0f} items/s"
     )
     busy = row.get("busy_share")
-    extra = "" if busy is None else f", busy {busy:.0%}, waiting {row['waiting_in_order_mean']:.1f}"
+    extra = (
+        ""
+        if busy is None
+        else f", busy {busy:.0%} (least {row['busy_min'] or 0:.0%}), "
+        f"waiting {row['waiting_in_order_mean']:.1f}"
+    )
     print(f"{row['workers']:>3} workers {row['workload']:<20} {row['loader']:<8} {what}{extra}")
     sys.stdout.flush()
 
@@ -137,7 +152,7 @@ def shares(result: dict[str, Any]) -> list[dict[str, Any]]:
     for (workload, workers), by in found.items():
         floor = by.get("floor", {}).get("items_per_s")
         line: dict[str, Any] = {"workload": workload, "workers": workers, "floor": floor}
-        for loader in ("aioload", "torch"):
+        for loader in LOADERS[1:]:
             row = by.get(loader, {})
             if "share" in row:
                 line[loader] = row["share"]
@@ -145,6 +160,7 @@ def shares(result: dict[str, Any]) -> list[dict[str, Any]]:
                 line[loader] = row["items_per_s"] / floor
         aio = by.get("aioload", {})
         line["busy_share"] = aio.get("busy_share")
+        line["busy_min"] = aio.get("busy_min")
         line["waiting_in_order_mean"] = aio.get("waiting_in_order_mean")
         lines.append(line)
     return lines
@@ -156,9 +172,9 @@ def _pct(value: float | None) -> str:
 
 def table(result: dict[str, Any]) -> str:
     out = [
-        "| workload | workers | floor (items/s) | aioload | torch | aioload's workers busy "
-        "| waiting in order (mean) |",
-        "|---|---|---|---|---|---|---|",
+        "| workload | workers | floor (items/s) | aioload | aioload, `in_order=False` | torch "
+        "| aioload's workers busy (least, mean) | waiting in order (mean) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for line in shares(result):
         floor = (
@@ -167,7 +183,8 @@ def table(result: dict[str, Any]) -> str:
         wait = line["waiting_in_order_mean"]
         out.append(
             f"| {line['workload']} | {line['workers']} | {floor} | {_pct(line.get('aioload'))} "
-            f"| {_pct(line.get('torch'))} | {_pct(line['busy_share'])} "
+            f"| {_pct(line.get('unordered'))} | {_pct(line.get('torch'))} "
+            f"| {_pct(line['busy_min'])}, {_pct(line['busy_share'])} "
             f"| {'-' if wait is None else f'{wait:.1f}'} |"
         )
     return "\n".join(out)
@@ -214,6 +231,7 @@ def parse_args(argv: list[str]) -> Any:
     p.add_argument("--quick", action="store_true", help="2 and 4 workers, short runs")
     p.add_argument("--workers", default=",".join(map(str, WORKERS)))
     p.add_argument("--workloads", default=",".join(WORKLOADS_MEASURED))
+    p.add_argument("--loaders", default=",".join(LOADERS), help="of " + ", ".join(LOADERS))
     p.add_argument("--scale", type=float, default=0.25, help="dataset sizes (x each default)")
     p.add_argument("--min-seconds", type=float, default=3.0, help="steady state per run")
     p.add_argument("--sigma", type=float, default=1.0, help="the uneven workload's spread")
@@ -234,6 +252,9 @@ def parse_args(argv: list[str]) -> Any:
             args.workers = "2,4"
     args.workers = [int(w) for w in str(args.workers).split(",")]
     args.workloads = str(args.workloads).split(",")
+    args.loaders = str(args.loaders).split(",")
+    if "floor" not in args.loaders:
+        p.error("--loaders: the floor runs always (it sizes the others)")
     return args
 
 

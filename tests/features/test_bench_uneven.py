@@ -88,18 +88,22 @@ def test_the_cores_table_puts_each_loader_against_its_floor(tmp_path: Path) -> N
             "loader": "aioload",
             "items_per_s": 900.0,
             "busy_share": 0.8,
+            "busy_min": 0.7,
             "waiting_in_order_mean": 2.5,
         },
+        {"workload": "tiny", "workers": 8, "loader": "unordered", "items_per_s": 950.0},
         {"workload": "tiny", "workers": 8, "loader": "torch", "items_per_s": 500.0},
         {"workload": "uneven (sigma=1)", "workers": 8, "loader": "aioload", "share": 0.88},
         {"workload": "uneven (sigma=1)", "workers": 8, "loader": "torch", "share": 0.4},
     ]
     result = {"command": "python -m benchmarks.cores", "cores": 16, "seconds": 200.0, "rows": rows}
     text = cores.table(result)
-    assert "| tiny | 8 | 1,000 | 90% | 50% | 80% | 2.5 |" in text
-    assert "| uneven (sigma=1) | 8 | num_workers / mean sample time | 88% | 40% | - | - |" in text
+    assert "| tiny | 8 | 1,000 | 90% | 95% | 50% | 70%, 80% | 2.5 |" in text
+    assert "| uneven (sigma=1) | 8 | num_workers / mean sample time | 88% | - | 40% | -, - | - |" in text
     page = tmp_path / "benchmarks.md"
     page.write_text("# B\n\n" + cores.BEGIN + "\nNot run yet\n" + cores.END + "\n")
     cores.write_docs(page, result)
     assert "Not run yet" not in page.read_text() and "On 16 cores" in page.read_text()
+    with pytest.raises(SystemExit):
+        cores.parse_args(["--loaders", "aioload,torch"])  # the floor sizes the others
     assert isinstance(cores.parse_args(["--no-write"]), argparse.Namespace)
