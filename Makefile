@@ -77,8 +77,9 @@ bench: install
 	$(PY) -m benchmarks.threads --json docs/benchmarks-threads.json --docs docs/benchmarks.md
 
 # For a many-core machine (about 4 minutes on 16 cores): at 2, 4, 8 and 14 workers, the floor,
-# aioload and torch on tiny, image and uneven samples, with aioload's busy share and in-order
-# wait; writes docs/benchmarks-cores.json and its section of docs/benchmarks.md.
+# aioload (in order and not) and torch on tiny, image and uneven samples, with aioload's busy
+# share and in-order wait; writes docs/benchmarks-cores.json and its section of
+# docs/benchmarks.md.
 # `$(PY) -m benchmarks.cores --quick --no-write` checks it on any machine.
 bench-cores: install
 	$(PY) -m compileall -q aioload

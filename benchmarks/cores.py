@@ -190,26 +190,34 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def section(result: dict[str, Any]) -> str:
-    return "\n".join(
-        [
-            BEGIN,
-            "## Many cores, measured (`make bench-cores`)",
-            "",
-            f"On {_machine_words(result)}, with the code of commit {result.get('commit', '?')}, "
-            f"{result.get('date', 'date not recorded')}; one round, each run a fresh process, in "
-            f"{result['seconds'] / 60:.1f} minutes: aioload and torch as a share of each "
-            "workload's floor (for tiny and image, `num_workers` processes that only make and "
-            "stack the samples; for the uneven workload, the samples' total sleep over "
-            "`num_workers`), with aioload's workers' busy share and the answers waiting in "
-            "order from `loader.stats()`.",
-            "",
-            table(result),
-            "",
-            f"Command: `{result['command']}`.",
-            END,
-        ]
-    )
+def _run_lines(result: dict[str, Any]) -> list[str]:
+    return [
+        f"On {_machine_words(result)}, with the code of commit {result.get('commit', '?')}, "
+        f"{result.get('date', 'date not recorded')}; one round, each run a fresh process, in "
+        f"{result['seconds'] / 60:.1f} minutes (`{result['command']}`):",
+        "",
+        table(result),
+        "",
+    ]
+
+
+def section(*results: dict[str, Any]) -> str:
+    """The page's section: each run (one, or several that measured different loaders) with
+    its machine, date, commit and command."""
+    lines = [
+        BEGIN,
+        "## Many cores, measured (`make bench-cores`)",
+        "",
+        "Each loader as a share of its workload's floor (for tiny and image, `num_workers` "
+        "processes that only make and stack the samples; for the uneven workload, the "
+        "samples' total sleep over `num_workers`), with aioload's workers' busy share (the "
+        "least busy worker's, and the mean) and the answers waiting in order, from "
+        "`loader.stats()` of its in-order run.",
+        "",
+    ]
+    for result in results:
+        lines += _run_lines(result)
+    return "\n".join([*lines[:-1], END])
 
 
 def _machine_words(result: dict[str, Any]) -> str:
@@ -222,8 +230,8 @@ def _machine_words(result: dict[str, Any]) -> str:
     )
 
 
-def write_docs(path: Path, result: dict[str, Any]) -> None:
-    uneven.write_section(path, section(result), BEGIN, END)
+def write_docs(path: Path, *results: dict[str, Any]) -> None:
+    uneven.write_section(path, section(*results), BEGIN, END)
 
 
 def parse_args(argv: list[str]) -> Any:
