@@ -23,9 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import startup, uneven
+from benchmarks import provenance, startup, uneven
 from benchmarks.runner import run_child
-from benchmarks.threads import _commit, _machine
 from benchmarks.workloads import WORKLOADS
 
 WORKERS = (2, 4, 8, 14)
@@ -117,8 +116,8 @@ def measure(args: Any) -> dict[str, Any]:
         "command": " ".join(["python -m benchmarks.cores", *args.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         # A copy of the tree without .git (a borrowed machine's) is named by --commit.
-        "commit": args.commit or _commit(),
-        "machine": _machine(),
+        "commit": args.commit or provenance.commit(),
+        "machine": provenance.machine(),
         "cores": os.cpu_count(),
         "seconds": time.monotonic() - started,
         "quick": args.quick,
@@ -224,10 +223,7 @@ def _machine_words(result: dict[str, Any]) -> str:
     machine = result.get("machine")
     if not machine:
         return f"{result['cores']} cores"
-    return (
-        f"{machine['cores']} cores ({machine['cpu']}), Python {machine['python']}, "
-        f"torch {machine['torch']}"
-    )
+    return provenance.describe(machine)
 
 
 def write_docs(path: Path, *results: dict[str, Any]) -> None:

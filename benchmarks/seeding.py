@@ -25,6 +25,7 @@ from torch.utils.data import Dataset
 
 import aioload
 from aioload._worker.fetch import _seed_all, sample_seed
+from benchmarks import provenance
 
 
 class Scalars(Dataset[torch.Tensor]):
@@ -86,8 +87,6 @@ def main() -> None:
     parser.add_argument("--notes", help="write the table into this page's seeding block")
     args = parser.parse_args()
 
-    from benchmarks.threads import _commit, _machine
-
     results: dict[str, Any] = {"seeding_us_per_sample": round(seeding_cost_us(), 2)}
     for name, dataset, batch_size in (
         ("scalars", Scalars(100_000), 256),
@@ -104,9 +103,12 @@ def main() -> None:
             "on_over_off": round(on / off, 3),
             "runs": args.runs,
         }
-    results["machine"] = {**_machine(), "load_average": f"{os.getloadavg()[0]:.1f} at the end"}
+    results["machine"] = {
+        **provenance.machine(),
+        "load_average": f"{os.getloadavg()[0]:.1f} at the end",
+    }
     results["date"] = time.strftime("%Y-%m-%d", time.gmtime())
-    results["commit"] = _commit()
+    results["commit"] = provenance.commit()
     text = json.dumps(results, indent=2)
     print(text)
     if args.json:
@@ -126,11 +128,7 @@ def notes_block(results: dict[str, Any]) -> str:
     machine = results.get("machine")
     where = "Machine, date and commit not recorded."
     if machine:
-        where = (
-            f"{machine['cores']} cores ({machine['cpu']}), Python {machine['python']}, torch"
-            f" {machine['torch']}, load average {machine['load_average']}; {results['date']},"
-            f" commit `{results['commit']}`."
-        )
+        where = f"{provenance.describe(machine)}; {results['date']}, commit `{results['commit']}`."
     lines = [
         NOTES_BEGIN,
         where,

@@ -24,13 +24,14 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = {"jpeg": (100_000, 32), "tiny": (4_000_000, 256), "image": (400_000, 64)}
@@ -294,9 +295,7 @@ def section(result: dict[str, Any]) -> str:
             "## Thread workers against processes (`python -m benchmarks.threads`)",
             "",
             f"{result['workers']} workers, the medians of {result['rounds']} alternating rounds"
-            f" on {machine['cores']} cores ({machine['cpu']}), Python {machine['python']},"
-            f" torch {machine['torch']}, load average {machine['load_average']};"
-            f" {result['date']}, commit `{result['commit']}`."
+            f" on {provenance.describe(machine)}; {result['date']}, commit `{result['commit']}`."
             " aioload's processes run under the default start method here (fork, which"
             " shares the parent's pages with the workers) and under forkserver (Python"
             " 3.14's default on Linux, and what a process that uses CUDA must use: each"
@@ -322,33 +321,6 @@ def write_docs(path: Path, result: dict[str, Any]) -> None:
     from benchmarks.uneven import write_section
 
     write_section(path, section(result), BEGIN, END)
-
-
-def _machine() -> dict[str, Any]:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {
-        "cores": len(os.sched_getaffinity(0)),
-        "cpu": cpu,
-        "python": platform.python_version(),
-        "torch": torch.__version__.split("+")[0],
-    }
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        )
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -387,9 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "command": " ".join(["python -m benchmarks.threads", *argv]),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "commit": _commit(),
+        "commit": provenance.commit(),
         "machine": {
-            **_machine(),
+            **provenance.machine(),
             "load_average": f"{load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end",
         },
         "workers": args.workers,

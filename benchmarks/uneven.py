@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from benchmarks import provenance
 from benchmarks._one import loader_stats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,13 +202,12 @@ def measure(args: Any) -> dict[str, Any]:
                 values = [r[name] for r in done if r.get(name) is not None]
                 row[name] = statistics.median(values) if values else None
         rows.append(row)
-    from benchmarks.threads import _commit, _machine
 
     return {
         "command": " ".join(["python -m benchmarks.uneven", *args.argv]),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "commit": _commit(),
-        "machine": {**_machine(), "load_average": f"{os.getloadavg()[0]:.1f} at the end"},
+        "commit": provenance.commit(),
+        "machine": {**provenance.machine(), "load_average": f"{os.getloadavg()[0]:.1f} at the end"},
         "seed": args.seed,
         "per_worker": args.per_worker,
         "mean_ms": args.mean_ms,
@@ -257,11 +257,7 @@ def _provenance(result: dict[str, Any]) -> str:
     machine = result.get("machine")
     if not machine:
         return f"{result['cores']} cores."
-    return (
-        f"{machine['cores']} cores ({machine['cpu']}), Python {machine['python']},"
-        f" torch {machine['torch']}, load average {machine['load_average']};"
-        f" {result['date']}, commit `{result['commit']}`."
-    )
+    return f"{provenance.describe(machine)}; {result['date']}, commit `{result['commit']}`."
 
 
 def section(result: dict[str, Any]) -> str:
