@@ -99,7 +99,10 @@ def test_the_cores_table_puts_each_loader_against_its_floor(tmp_path: Path) -> N
     result = {"command": "python -m benchmarks.cores", "cores": 16, "seconds": 200.0, "rows": rows}
     text = cores.table(result)
     assert "| tiny | 8 | 1,000 | 90% | 95% | 50% | 70%, 80% | 2.5 |" in text
-    assert "| uneven (sigma=1) | 8 | num_workers / mean sample time | 88% | - | 40% | -, - | - |" in text
+    assert (
+        "| uneven (sigma=1) | 8 | num_workers / mean sample time | 88% | - | 40% | -, - | - |"
+        in text
+    )
     page = tmp_path / "benchmarks.md"
     page.write_text("# B\n\n" + cores.BEGIN + "\nNot run yet\n" + cores.END + "\n")
     cores.write_docs(page, result)
