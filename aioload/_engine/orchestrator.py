@@ -615,12 +615,7 @@ def _round_robin(ledger: Ledger, cursor: int, slots: int, capacity: int) -> tupl
     """torch's rule in order: the next active worker in the cycle, and where the round robin
     stands after it (``cursor``: where it stood). (Among the first ``slots`` workers:
     num_workers="auto" may use fewer than it has.)"""
-    for _ in range(slots):
-        worker_id = cursor if cursor < slots else 0
-        cursor = (worker_id + 1) % slots
-        if ledger.active[worker_id]:
-            return worker_id, cursor
-    return None, cursor
+    return _next_in_cycle(ledger, cursor, slots, limit=None)
 
 
 def _capped_round_robin(
@@ -629,10 +624,19 @@ def _capped_round_robin(
     """torch's rule with in_order=False: the next active worker in the cycle that holds fewer
     than its share of the prefetch budget."""
     active = sum(ledger.active[:slots])
+    return _next_in_cycle(ledger, cursor, slots, limit=capacity // active if active else 0)
+
+
+def _next_in_cycle(
+    ledger: Ledger, cursor: int, slots: int, *, limit: int | None
+) -> tuple[int | None, int]:
+    """The first active worker from ``cursor`` on (holding fewer than ``limit`` tasks, if
+    given), and the cursor after it; none, and the cursor after a whole turn."""
+    active, held = ledger.active, ledger.per_worker
     for _ in range(slots):
         worker_id = cursor if cursor < slots else 0
         cursor = (worker_id + 1) % slots
-        if ledger.active[worker_id] and ledger.per_worker[worker_id] < capacity // active:
+        if active[worker_id] and (limit is None or held[worker_id] < limit):
             return worker_id, cursor
     return None, cursor
 

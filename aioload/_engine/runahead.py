@@ -181,13 +181,6 @@ class RunAhead:
         """The longest the engine may sleep: while workers are ahead of a late head (their
         answers wait behind it) and could run further, ``tick``, so that it notices those that
         run dry; else no bound (and none with fewer than three workers)."""
-        ledger = self._ledger
-        if (
-            not self.limit
-            or not self._ticks
-            or ledger.unyielded >= self.capacity + self.limit
-            or not ledger.answered_waiting()
-            or not ledger.head_late()
-        ):
-            return math.inf
-        return self.tick
+        if self.wakes_on_any() and self._ledger.answered_waiting():
+            return self.tick
+        return math.inf
