@@ -15,7 +15,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .stats import PassStats
+from ._engine.counters import PassStats
 
 __all__ = ["Progress", "progress"]
 

@@ -16,6 +16,7 @@ from ._aio import lazy_import as _lazy
 from ._backends.base import BackendKeeper
 from ._backends.choice import WorkerFactory
 from ._backends.ray_config import RayWorkers
+from ._engine.counters import empty_stats
 from ._engine.orchestrator import END, NEEDS_LOOP, Orchestrator, release_pass_frames
 from ._engine.passes import PassPlanner
 from ._engine.samplers import loader_generators, use_stateful_shuffle
@@ -30,10 +31,10 @@ from ._engine.setup import (
     shard_index_sampler,
     torch_only_arguments,
 )
-from .stats import LoaderStats, empty_stats
 
 if TYPE_CHECKING:
     from ._engine.pinning import PinPlan, Transfer
+    from .stats import LoaderStats
 
 __all__ = ["DataLoader"]
 

@@ -33,7 +33,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from .._wire.messages import IndexRange
-from ..stats import PassStats, Stall
+from .counters import PassStats, Stall
 
 if TYPE_CHECKING:
     from .._backends.base import Waitable, WorkerBackend

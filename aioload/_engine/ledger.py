@@ -21,7 +21,8 @@ from .resume import PassProgress, StreamPoint
 
 if TYPE_CHECKING:
     from ..errors import TooManySampleErrors
-    from ..stats import PassStats, SkipCap, SkippedSample
+    from ..stats import SkippedSample
+    from .counters import PassStats, SkipCap
     from .pinning import PinStage
 
 __all__ = ["Ledger", "Sent"]

@@ -45,7 +45,7 @@ from .._wire.messages import (
     WorkerLost,
 )
 from ..errors import TooManySampleErrors
-from ..stats import PassStats
+from .counters import PassStats
 from .ledger import Ledger
 from .pass_setup import (
     Drawn,

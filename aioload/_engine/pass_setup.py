@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .._aio.waiting import Waiter
     from .._backends.base import BackendTraits, WorkerBackend
     from .._wire.messages import PassPlan, WorkerLost
-    from ..stats import SkipCap
+    from .counters import SkipCap
     from .ledger import Ledger
     from .pass_tuning import PassTuning
     from .pinning import PinStage, Transfer

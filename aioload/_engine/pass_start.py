@@ -28,7 +28,6 @@ import copy
 import enum
 import itertools
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -71,8 +70,7 @@ class PassKind(enum.Enum):
     RESUMED_MID_PASS = "a state taken in the middle of a pass"
 
 
-@dataclass(frozen=True)
-class PassContext:
+class PassContext(NamedTuple):
     """What a pass's start reads: of the loader's arguments, and of what it keeps between
     passes (``_engine.passes.PassPlanner``)."""
 

@@ -27,7 +27,7 @@ import torch
 from .._backends.base import BackendKeeper
 from .._backends.choice import BackendChoice, choose_backend
 from .._worker.datapipes import SharedSeeds, is_datapipe, is_iter_datapipe, reseed, shard_in_process
-from ..stats import PassStats
+from .counters import PassStats
 from .orchestrator import Orchestrator, PassSetup, track_pass
 from .pass_start import (
     PassContext,

@@ -35,7 +35,7 @@ import torch.utils.data
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
 from .._wire.messages import Batch, Outcome, Raised
-from ..stats import PassStats
+from .counters import PassStats
 
 __all__ = [
     "CudaTransfer",

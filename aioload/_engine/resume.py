@@ -34,15 +34,17 @@ import base64
 import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch.utils.data import BatchSampler, SequentialSampler
 
 from .._wire.messages import IndexRange, StreamState
 from .._worker.fetch import is_stateful
-from ..stats import SkippedSample
 from .samplers import is_replayed
+
+if TYPE_CHECKING:
+    from ..stats import SkippedSample
 
 __all__ = [
     "FORMAT",

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 from .measure import batch_bytes
 
 if TYPE_CHECKING:
-    from ..stats import PassStats
+    from .counters import PassStats
     from .ledger import Ledger
 
 __all__ = ["RUN_AHEAD_BYTES", "RUN_AHEAD_WINDOWS", "RunAhead"]

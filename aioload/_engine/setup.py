@@ -29,7 +29,7 @@ from .._backends.choice import WorkerFactory
 from .._worker.async_detect import is_async_dataset
 from .._worker.datapipes import is_datapipe
 from .._worker.fetch import SamplePolicy, is_stateful
-from ..stats import PassStats, SkipCap
+from .counters import PassStats, SkipCap
 from .hang import NO_HANG_REPORT, HangWatch
 from .measure import usable_cores
 from .resume import SamplerStack, StreamPoint, check_generator_count
@@ -70,8 +70,7 @@ class Resolved(NamedTuple):
     worker_concurrency: int
 
 
-@dataclass(frozen=True)
-class ShardArguments:
+class ShardArguments(NamedTuple):
     """The arguments ``shard="auto"`` builds this rank's sampler from."""
 
     shard: str
@@ -82,8 +81,7 @@ class ShardArguments:
     generator: torch.Generator | None
 
 
-@dataclass(frozen=True)
-class AutoArguments:
+class AutoArguments(NamedTuple):
     """The arguments that may be ``"auto"`` (docs/tuning.md), and the memory bound."""
 
     num_workers: int | str
@@ -179,8 +177,7 @@ class Extras(NamedTuple):
     hang_report_after: float | None
 
 
-@dataclass(frozen=True)
-class ExtraArguments:
+class ExtraArguments(NamedTuple):
     """aioload's own arguments that ``check_extras`` checks, as the user passed them."""
 
     device: str | torch.device | None
@@ -467,7 +464,9 @@ def check_device(device: str | torch.device | None, stacklevel: int = 3) -> torc
 # -- each pass -----------------------------------------------------------------------------
 
 
-@dataclass
+# (eq=False: passes' arguments are never compared, and each method a dataclass makes costs
+# the first batch of a fresh process part of a millisecond.)
+@dataclass(eq=False)
 class PassArguments:
     """What a pass reads of its ``DataLoader``: the arguments as they are when the pass starts
     (torch's may be changed after construction, and are read at each pass, as torch does).

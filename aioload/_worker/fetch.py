@@ -34,16 +34,18 @@ import random
 import struct
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
 
 from .._wire import slabs as _transport
 from .._wire.messages import AllSkipped, Batch, IndexRange, PassPlan, StreamState
-from ..stats import SkippedSample
 from . import stacking as _stacking
 from .info import reseed_rng, thread_worker_rng
+
+if TYPE_CHECKING:
+    from ..stats import SkippedSample
 
 __all__ = [
     "NO_BATCH",
@@ -154,7 +156,9 @@ def _describe_error(error: BaseException) -> str:
 
 
 def _record(index: Any, error: BaseException, tries: int) -> SkippedSample:
-    # Imported here: _worker.main imports this module.
+    # Imported here: _worker.main imports this module (and the report's types wait for the
+    # first skip, _engine.counters).
+    from ..stats import SkippedSample
     from .info import get_worker_info
 
     info = get_worker_info()

@@ -15,8 +15,8 @@ from torch.utils.data import Dataset, IterableDataset
 
 import aioload
 import aioload.loader
+from aioload._engine.counters import RESERVOIR_SIZE, PassStats
 from aioload._engine.pinning import Transfer
-from aioload.stats import RESERVOIR_SIZE, PassStats
 from tests.helpers import consume
 from tests.scripts.datasets import KillsItselfOnce, Numbers
 

@@ -12,11 +12,11 @@ import pytest
 
 from aioload._backends.base import OUT_OF_PROCESS
 from aioload._backends.fake import FakeBackend
+from aioload._engine.counters import PassStats
 from aioload._engine.hang import HangWatch
 from aioload._engine.orchestrator import END, NEEDS_LOOP, Orchestrator, PassSetup
 from aioload._engine.resume import PassProgress, numbered_batches
 from aioload._wire.messages import PassPlan
-from aioload.stats import PassStats
 
 pytestmark = pytest.mark.timeout(30)
 

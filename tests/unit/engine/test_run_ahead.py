@@ -18,8 +18,8 @@ import torch
 import aioload
 from aioload._backends.fake import FakeBackend, FakeWorkers
 from aioload._engine import runahead
+from aioload._engine.counters import PassStats
 from aioload._engine.runahead import RunAhead
-from aioload.stats import PassStats
 
 from .test_engine import _drain, _engine, front  # noqa: F401 (front: both doors, autouse)
 
