@@ -50,11 +50,16 @@ def _size(workload: str, args: Any, floor_rate: float | None) -> int:
     return size
 
 
+def _child_loader(loader: str) -> str:
+    """The loader a row's child runs: "unordered" is aioload with in_order=False."""
+    return "aioload" if loader == "unordered" else loader
+
+
 def _one(loader: str, workload: str, workers: int, args: Any, size: int) -> dict[str, Any]:
     spec = WORKLOADS[workload]
     child = [
         "--loader",
-        "aioload" if loader == "unordered" else loader,
+        _child_loader(loader),
         "--mode",
         "sync",
         "--workload",
@@ -84,7 +89,7 @@ def _one(loader: str, workload: str, workers: int, args: Any, size: int) -> dict
 
 def _uneven(loader: str, workers: int, args: Any) -> dict[str, Any]:
     config = {
-        "loader": "aioload" if loader == "unordered" else loader,
+        "loader": _child_loader(loader),
         "in_order": loader != "unordered",
         "workers": workers,
         "sigma": args.sigma,
@@ -95,6 +100,7 @@ def _uneven(loader: str, workers: int, args: Any) -> dict[str, Any]:
 def measure(args: Any) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     started = time.monotonic()
+    loaders = [name for name in LOADERS[1:] if name in args.loaders]
     for workers in args.workers:
         for workload in args.workloads:
             # The floor first (it sizes the others' dataset); the loaders alternate.
@@ -102,12 +108,11 @@ def measure(args: Any) -> dict[str, Any]:
             rows.append({"workload": workload, "workers": workers, "loader": "floor", **floor})
             _print(rows[-1])
             size = _size(workload, args, floor.get("items_per_s"))
-            loaders = [name for name in LOADERS[1:] if name in args.loaders]
             for loader in loaders if workers % 4 == 0 else loaders[::-1]:
                 result = _one(loader, workload, workers, args, size)
                 rows.append({"workload": workload, "workers": workers, "loader": loader, **result})
                 _print(rows[-1])
-        for loader in [name for name in LOADERS[1:] if name in args.loaders]:
+        for loader in loaders:
             result = _uneven(loader, workers, args)
             name = f"uneven (sigma={args.sigma:g})"
             rows.append({"workload": name, "workers": workers, "loader": loader, **result})
