@@ -9,14 +9,20 @@ executes in user space) and reports, per batch:
 
 - the parent: aioload, ``for``, 2 workers, the consumer doing nothing;
 - each worker: the same run's worker processes;
-- the floor: the same samples made and stacked in one process (``benchmarks.floor``'s stacker).
+- the floor: the same samples made and stacked in one process (``benchmarks.floor``'s stacker);
+- the bare parent: only the calls into C that a parent written in Python makes for each batch
+  of tiny whatever its design (a poll, the answer's read, the batch's lease and tensor view, the
+  next task's write), in a loop that does nothing else: what the parent's count has to beat.
 
 Each figure is the difference between a run of ``N1`` and one of ``N2`` batches, over
 ``N2 - N1``, so imports and start-up cancel. What this leaves out: the kernel's instructions
 (system calls, page faults, wake-ups) and the time memory stalls take, which are real costs
 that only a CPU-time measurement on the large machine shows. The parent's figure is also
 taken with the workers slowed down by valgrind, so it waits for every batch, as it does on a
-many-core machine.
+many-core machine, and what the parent does by the clock (a health check every second) comes
+about once a batch at valgrind's pace, against once in hundreds in a real run: the count moves
+by some 20 % from run to run. The counted processes run with one BLAS thread (OpenBLAS's idle
+threads spin for as long as the scheduler lets them, and counted as the parent's).
 
 On the 16-core machine the floor's instructions take ``benchmarks.auto.FLOOR_16``'s time per
 sample; the parent's instructions, at the same rate, give its user-space CPU per batch there.
@@ -41,11 +47,61 @@ BATCH_SIZE = {"tiny": 256, "image": 64}
 SIZE = {"tiny": 10_000_000, "image": 2_000_000}
 
 
+def _bare_parent(batches: int) -> None:
+    """The calls a parent written in Python cannot do without for a batch of tiny, and nothing
+    else: a poll of its descriptors, the answer's read and header, the batch's lease over its
+    slab, the weak reference that frees it, the tensor view, and the next task's write. The
+    "worker" is the other end of a socket pair in this same process (its send and read of a
+    few bytes count too)."""
+    import ctypes
+    import mmap
+    import selectors
+    import socket
+    import struct
+    import weakref
+
+    import torch
+
+    parent, worker = socket.socketpair()
+    parent.setblocking(False)
+    worker.setblocking(False)
+    selector = selectors.DefaultSelector()
+    selector.register(parent, selectors.EVENT_READ)
+    chunk = memoryview(bytearray(1 << 20))
+    anc_space = socket.CMSG_SPACE(64 * 4)
+    slab_map = mmap.mmap(-1, 1 << 20)
+    slab = (ctypes.c_ubyte * (1 << 20)).from_buffer(slab_map)
+    reply, task = struct.Struct("<IqqqqqdII"), struct.Struct("<Bqqqq")
+    answer = reply.pack(0, 1, 2, 3, 4, 2048, 0.1, 1, 0)
+    freed: list[int] = []
+    size = BATCH_SIZE["tiny"]
+    for k in range(batches):
+        worker.send(answer)
+        selector.select(0)
+        parent.recvmsg_into([chunk], anc_space)
+        reply.unpack_from(chunk)
+        lease = (ctypes.c_ubyte * (8 * size)).from_buffer(slab)
+        ref = weakref.ref(lease, lambda _ref: freed.append(1))
+        batch = torch.frombuffer(lease, dtype=torch.int64, count=size, offset=0)
+        del lease
+        parent.send(task.pack(1, k, 0, k * size, (k + 1) * size))
+        worker.recv_into(chunk)
+        del batch, ref
+    selector.close()
+    del slab
+    slab_map.close()
+    parent.close()
+    worker.close()
+
+
 def _child(role: str, batches: int, workload: str) -> None:
     """One counted run, in the process valgrind started (its pid is printed for the parent)."""
     from benchmarks.workloads import make_dataset
 
     print(json.dumps({"pid": os.getpid()}), flush=True)
+    if role == "bare":
+        _bare_parent(batches)
+        return
     dataset: Any = make_dataset(workload, SIZE[workload], 0)
     batch_size = BATCH_SIZE[workload]
     if role == "parent":
@@ -92,8 +148,11 @@ def count(role: str, batches: int, workload: str) -> dict[str, Any]:
             "--workload",
             workload,
         ]
+        # One BLAS thread: OpenBLAS's idle threads spin in the counted process for as long as
+        # the scheduler lets them, which moved a run's count by 30K instructions per batch.
+        env = child_env() | {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
         res = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=1800, env=child_env(), check=False
+            cmd, capture_output=True, text=True, timeout=1800, env=env, check=False
         )
         if res.returncode != 0:
             raise RuntimeError(f"{role} {batches}: exit {res.returncode}: {res.stderr[-2000:]}")
@@ -148,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.instructions")
     p.add_argument("--workload", choices=sorted(BATCH_SIZE), default="tiny")
     p.add_argument("--batches", type=int, nargs=2, default=[100, 600], metavar=("N1", "N2"))
-    p.add_argument("--child", choices=("parent", "floor"), help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=("parent", "floor", "bare"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
         _child(a.child, a.batches[0], a.workload)
@@ -157,17 +216,25 @@ def main(argv: list[str] | None = None) -> int:
         print("valgrind is not installed: nothing to count", file=sys.stderr)
         return 2
     n1, n2 = a.batches
-    runs = {(role, n): count(role, n, a.workload) for role in ("floor", "parent") for n in (n1, n2)}
+    roles = ("floor", "parent", "bare")
+    runs = {(role, n): count(role, n, a.workload) for role in roles for n in (n1, n2)}
     parent = per_batch(runs["parent", n1], runs["parent", n2], n1, n2)
     floor = per_batch(runs["floor", n1], runs["floor", n2], n1, n2)
+    bare = per_batch(runs["bare", n1], runs["bare", n2], n1, n2)["main"]
     figures = model_figures(parent["main"], parent.get("worker", []), floor["main"], a.workload)
-    print(json.dumps({"workload": a.workload, "batches": [n1, n2]} | figures, indent=1))
+    print(
+        json.dumps(
+            {"workload": a.workload, "batches": [n1, n2], "bare_parent_per_batch": bare} | figures,
+            indent=1,
+        )
+    )
     print(
         f"{a.workload}: parent {figures['parent_per_batch'] / 1e3:.0f}K instructions a batch "
         f"({figures['parent_share_of_floor_batch']:.1%} of the floor's batch), "
         f"worker {figures['o_instructions']:+.1%} over the floor's "
         f"{figures['floor_per_batch'] / 1e6:.2f}M; the parent on the 16-core machine: "
-        f"{figures['parent_us_16']:.0f} us a batch in user space"
+        f"{figures['parent_us_16']:.0f} us a batch in user space; the calls a Python parent "
+        f"cannot do without (tiny's): {bare / 1e3:.0f}K a batch"
     )
     return 0
 

@@ -504,7 +504,7 @@ class Orchestrator:
             assert isinstance(outcome, Batch)
         value = outcome.value
         self._num_yielded += 1
-        self.stats.yielded(value, samples, in_flight=len(ledger.inflight), waiting=ledger.waiting())
+        self.stats.yielded(value, samples, len(ledger.inflight), ledger.waiting())
         if self._num_yielded >= self._ahead.next_survey:
             self._ahead.survey(value, self._num_yielded)
         # torch refills the prefetch window as it hands a batch over (``_process_data`` calls

@@ -152,6 +152,13 @@ class RunAhead:
             return
         depth = max(1, capacity // slots)
         unanswered, active = ledger.unanswered, ledger.active
+        # Most calls find every queue full (the consumer is waiting, the workers are busy):
+        # asked with a plain loop first, without making the predicate (this runs per wait).
+        for worker_id in range(slots):
+            if unanswered[worker_id] < depth and active[worker_id]:
+                break
+        else:
+            return
 
         def more() -> bool:
             return ledger.unyielded < bound and any(

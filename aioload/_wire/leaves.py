@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import io
+import math
 import pickle
 from typing import Any, cast
 
@@ -182,16 +183,10 @@ class _LeafLoader(CachedUnpickler):
         return self.leaves[pid]
 
 
-# The weak references that watch live leases, kept here until their lease dies (a weak
-# reference that is itself collected never calls back). Module-wide, as weakref.finalize's
-# registry is: a lease outlives the mappings and the pool that made it.
-# (By the reference's id: a weak reference hashes as its lease would, and a ctypes array
-
-
 def leaf_view(lease: ctypes.Array[ctypes.c_ubyte], desc: LeafDesc) -> Any:
     """One array leaf of a batch: a view of ``lease`` (an empty leaf needs no memory)."""
     kind, offset, dtype, shape, strides = desc
-    count = _numel(shape)
+    count = math.prod(shape)  # (1 for a 0-d leaf's empty shape)
     if count == 0:
         return empty_leaf(desc)
     if kind == "t":
@@ -209,13 +204,6 @@ def leaf_view(lease: ctypes.Array[ctypes.c_ubyte], desc: LeafDesc) -> Any:
 def empty_leaf(desc: LeafDesc) -> Any:
     kind, _offset, dtype, shape, _strides = desc
     return torch.empty(shape, dtype=dtype) if kind == "t" else np.empty(shape, dtype=dtype)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def load_batch(payload: bytes, leaves: list[Any]) -> Any:
