@@ -20,6 +20,7 @@ Two things end it there, whatever the dataset is doing:
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import ctypes
 import functools
@@ -56,6 +57,8 @@ def parent_watch(start_method: str) -> ParentWatch:
     """In the parent, as it starts a worker with ``start_method``, in the thread that starts it."""
     if start_method == "forkserver":
         return ParentWatch(0, True)
+    if start_method == "fork":
+        _find_prctl()  # (inherited by the worker: NOTE [the watch's start])
     return ParentWatch(os.getpid(), threading.current_thread() is threading.main_thread())
 
 
@@ -72,15 +75,31 @@ def watch_parent(watch: ParentWatch, sock: Any) -> None:
     fd = os.dup(sock.fileno())
     # (Not kept by a process the dataset forks: this thread is not there to watch with it.)
     os.register_at_fork(after_in_child=functools.partial(_close, fd))
-    threading.Thread(
-        target=_watch, args=(fd, os.getppid()), name="aioload-parent-watch", daemon=True
-    ).start()
+    # NOTE [the watch's start]. ``_thread``'s start, not ``threading.Thread.start``: that one
+    # waits until the new thread has run, and a worker starts while its parent forks the next
+    # worker on the same cores, so the wait was 5-6 ms of the first batch's path (a thread
+    # that is not a ``threading.Thread`` is not joined at exit either, as a daemon is not).
+    _thread.start_new_thread(_watch, (fd, os.getppid()))
+
+
+# ``prctl`` through ctypes, found once: looking a symbol up in a process that has loaded torch
+# takes a few hundred microseconds, which a forked worker would pay at its start. The parent
+# finds it before it forks (``parent_watch``), and every forked worker inherits it.
+_prctl: Any = None
+
+
+def _find_prctl() -> Any:
+    global _prctl
+    if _prctl is None and sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            _prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return _prctl
 
 
 def _ask_for_death_signal() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    prctl = _find_prctl()
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def _close(fd: int) -> None:
