@@ -45,6 +45,9 @@ from benchmarks.startup import child_env
 
 BATCH_SIZE = {"tiny": 256, "image": 64}
 SIZE = {"tiny": 10_000_000, "image": 2_000_000}
+# The bare loop runs this many times the batches: its 35K a batch over a few hundred batches
+# would be lost in how much two runs' start-ups differ (tens of millions of instructions).
+BARE_REPEAT = 10
 
 
 def _bare_parent(batches: int) -> None:
@@ -216,16 +219,14 @@ def main(argv: list[str] | None = None) -> int:
         print("valgrind is not installed: nothing to count", file=sys.stderr)
         return 2
     n1, n2 = a.batches
-    # The bare loop is ten times longer: its 35K a batch over a few hundred batches would be
-    # lost in how much two runs' start-ups differ (tens of millions of instructions).
     runs = {
-        (role, n): count(role, n * (10 if role == "bare" else 1), a.workload)
+        (role, n): count(role, n * (BARE_REPEAT if role == "bare" else 1), a.workload)
         for role in ("floor", "parent", "bare")
         for n in (n1, n2)
     }
     parent = per_batch(runs["parent", n1], runs["parent", n2], n1, n2)
     floor = per_batch(runs["floor", n1], runs["floor", n2], n1, n2)
-    bare = per_batch(runs["bare", n1], runs["bare", n2], 10 * n1, 10 * n2)["main"]
+    bare = per_batch(runs["bare", n1], runs["bare", n2], BARE_REPEAT * n1, BARE_REPEAT * n2)["main"]
     figures = model_figures(parent["main"], parent.get("worker", []), floor["main"], a.workload)
     print(
         json.dumps(

@@ -153,17 +153,12 @@ class RunAhead:
         depth = max(1, capacity // slots)
         unanswered, active = ledger.unanswered, ledger.active
         # Most calls find every queue full (the consumer is waiting, the workers are busy):
-        # asked with a plain loop first, without making the predicate (this runs per wait).
-        for worker_id in range(slots):
-            if unanswered[worker_id] < depth and active[worker_id]:
-                break
-        else:
+        # asked first, without making the predicate (this runs per wait).
+        if not _has_room(unanswered, active, depth, slots):
             return
 
         def more() -> bool:
-            return ledger.unyielded < bound and any(
-                unanswered[w] < depth and active[w] for w in range(slots)
-            )
+            return ledger.unyielded < bound and _has_room(unanswered, active, depth, slots)
 
         dispatch(more)
         beyond = ledger.unyielded - capacity
@@ -191,3 +186,11 @@ class RunAhead:
         if self.wakes_on_any() and self._ledger.answered_waiting():
             return self.tick
         return math.inf
+
+
+def _has_room(unanswered: list[int], active: list[bool], depth: int, slots: int) -> bool:
+    """Whether an active worker among the first ``slots`` holds fewer than ``depth`` tasks."""
+    for worker_id in range(slots):  # noqa: SIM110 - a generator costs more, at every wait
+        if unanswered[worker_id] < depth and active[worker_id]:
+            return True
+    return False
