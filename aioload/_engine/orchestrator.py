@@ -700,6 +700,7 @@ def _run_ahead(setup: PassSetup, ledger: Ledger, stats: PassStats, capacity: int
         enabled=setup.in_order and setup.traits.runs_ahead,
         max_memory=tuning.controller.max_memory if tuning is not None else None,
         first_survey=len(setup.progress.yielded) + capacity,
+        round_robin=not balanced_in_order(setup),
     )
     ahead.resize(capacity, setup.num_workers)
     return ahead

@@ -23,11 +23,11 @@ because its workers are starting, not because samples are uneven, and it starts 
 window exactly: ``prefetch_factor * num_workers`` tasks, then one more per batch.
 
 A late head is noticed only when the engine wakes: in order it sleeps until the head's
-worker answers (``Ledger.awaited``). While the head is late and the workers could run further
-(with three workers or more), any worker's answer ends the wait instead (``wakes_on_any``),
-and that worker is topped up at once: waiting on the head's worker alone, the others ran dry
-behind it. While answers wait behind a late head, the sleep is also cut to ``tick``, half the
-mean time a task takes (within ``TICK_MIN_S`` and ``TICK_MAX_S``). While the head is on time,
+worker answers (``Ledger.awaited``). While the head is late and the workers could run further,
+any worker's answer ends the wait instead (``wakes_on_any``), and that worker is topped up at
+once: waiting on the head's worker alone, the others ran dry behind it. With three workers or
+more, while answers wait behind a late head, the sleep is also cut to ``tick``, half the mean
+time a task takes (within ``TICK_MIN_S`` and ``TICK_MAX_S``). While the head is on time,
 neither costs a wake-up.
 """
 
@@ -57,6 +57,10 @@ TICK_MIN_S = 0.001
 TICK_MAX_S = 0.100
 # ... at this share of it: a worker with a short queue finishes its tasks in less.
 TICK_SHARE = 0.5
+# A worker whose tasks take this many times the others' mean (over this many tasks of its own
+# at least) is slow for good, not late by chance: see RunAhead.slow_for_good.
+SLOW_FOR_GOOD = 4.0
+SLOW_MIN_TASKS = 2
 
 
 class RunAhead:
@@ -64,11 +68,13 @@ class RunAhead:
     lets the engine notice idle workers (``tick``), and the top-up itself. ``enabled``: in
     order, with workers that run ahead (else it never does anything). ``max_memory``: the
     loader's budget, if any (with ``"auto"``). The first survey (and with it any run-ahead)
-    comes after ``first_survey`` batches handed over."""
+    comes after ``first_survey`` batches handed over. ``round_robin``: tasks go to the worker
+    torch would give them (else to the least busy, see ``slow_for_good``)."""
 
     __slots__ = (
         "_ledger",
         "_max_memory",
+        "_round_robin",
         "_stats",
         "_surveyed",
         "_ticks",
@@ -88,8 +94,10 @@ class RunAhead:
         enabled: bool,
         max_memory: int | None = None,
         first_survey: int = 1,
+        round_robin: bool = True,
     ) -> None:
         self._ledger = ledger
+        self._round_robin = round_robin
         self._stats = stats
         self._max_memory = max_memory
         self.capacity = capacity
@@ -122,12 +130,16 @@ class RunAhead:
         may change both)."""
         self.capacity = capacity
         if slots is not None:
-            # NOTE: with two workers, the wait stays on the head's worker alone. That is the
-            # small machine's case, where each wake-up takes a core from the workers (see
-            # Ledger.awaited); and where one of two workers is slower for good (a core it
-            # shares), running ahead of it gains nothing, and a tick would wake the consumer
-            # several times for each of its batches. The other worker is still topped up
-            # whenever the consumer wakes.
+            # NOTE: with two workers, the sleep is never cut to a tick. That is the small
+            # machine's case, where each wake-up takes a core from the workers (see
+            # Ledger.awaited), and where one of two workers is often slower for good (a core it
+            # shares with the consumer): its batch is then the late head at most hand-overs,
+            # and a tick would wake the consumer several times for each of its batches (image,
+            # 2 workers, 2 cores: 7 % fewer items/s with it). Waking on any answer costs at
+            # most one wake-up per batch, the most an out-of-order pass takes, and without it
+            # the other worker ran dry behind each slow sample: in order, on samples of
+            # lognormal sigma 1, 74 % of the floor against 91 % with it (benchmark notes,
+            # "Two workers behind a late head").
             self._ticks = slots > 2
         if not self._surveyed:
             return
@@ -167,23 +179,43 @@ class RunAhead:
 
     def wakes_on_any(self) -> bool:
         """Whether the engine's next wait ends at any worker's answer rather than only the
-        head's: while the head is late and workers may run further ahead (three workers or
-        more). A worker that answers then has its queue topped up at once; waiting on the
-        head's worker alone, the others would run dry behind it and sit idle until it
-        answers."""
+        head's: while the head is late and workers may run further ahead. A worker that
+        answers then has its queue topped up at once; waiting on the head's worker alone, the
+        others would run dry behind it and sit idle until it answers."""
         ledger = self._ledger
         return (
-            self._ticks
-            and self.limit > 0
+            self.limit > 0
             and ledger.unyielded < self.capacity + self.limit
             and ledger.head_late()
+            and not self.slow_for_good(ledger.inflight[ledger.rcvd_idx].worker_id)
         )
+
+    def slow_for_good(self, worker_id: int) -> bool:
+        """Whether the head's worker (``worker_id``) is slower than the others for good: its
+        tasks have taken ``SLOW_FOR_GOOD`` times theirs on average. Tasks going round robin,
+        the pass then runs at that worker's pace whatever the others do: running ahead of it
+        would only fill memory up to the limit, and wake the consumer at each of their answers
+        on the way. (Late by chance, a slow sample, it is not: a few slow samples move a mean
+        over many tasks little.) With tasks going to the least busy worker, the others do take
+        over its share, so there it never counts."""
+        if not self._round_robin:
+            return False
+        own_tasks, own_busy, tasks, busy = 0, 0.0, 0, 0.0
+        for wid, counter in enumerate(self._stats.workers):
+            if wid == worker_id:
+                own_tasks, own_busy = counter.tasks, counter.busy_s
+            else:
+                tasks += counter.tasks
+                busy += counter.busy_s
+        if own_tasks < SLOW_MIN_TASKS or not tasks:
+            return False
+        return own_busy * tasks >= SLOW_FOR_GOOD * busy * own_tasks
 
     def sleep_bound(self) -> float:
         """The longest the engine may sleep: while workers are ahead of a late head (their
         answers wait behind it) and could run further, ``tick``, so that it notices those that
-        run dry; else no bound (and none with fewer than three workers)."""
-        if self.wakes_on_any() and self._ledger.answered_waiting():
+        run dry; else no bound (and none with fewer than three workers: see ``resize``)."""
+        if self._ticks and self.wakes_on_any() and self._ledger.answered_waiting():
             return self.tick
         return math.inf
 

@@ -10,7 +10,7 @@ resumes exactly.
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -19,6 +19,7 @@ import aioload
 from aioload._backends.fake import FakeBackend, FakeWorkers
 from aioload._engine import runahead
 from aioload._engine.counters import PassStats
+from aioload._engine.ledger import Sent
 from aioload._engine.runahead import RunAhead
 
 from .test_engine import _drain, _engine, front  # noqa: F401 (front: both doors, autouse)
@@ -35,8 +36,8 @@ class _Recording(FakeBackend):
     """Serial workers; records, at each task sent, how many tasks were between sent and
     yielded, and which tasks had been answered when the slow one was."""
 
-    def __init__(self, delay: Any) -> None:
-        super().__init__(WORKERS, delay=delay, serial=True)
+    def __init__(self, delay: Any, workers: int = WORKERS) -> None:
+        super().__init__(workers, delay=delay, serial=True)
         self.engine: Any = None
         self.unyielded: list[int] = []
 
@@ -49,8 +50,10 @@ def _late_head(task_id: int) -> float:
     return 0.4 if task_id == SLOW else 0.001
 
 
-def _run(delay: Any, batches: list[list[int]] = BATCHES) -> tuple[_Recording, Any, list[Any]]:
-    backend = _Recording(delay)
+def _run(
+    delay: Any, batches: list[list[int]] = BATCHES, workers: int = WORKERS
+) -> tuple[_Recording, Any, list[Any]]:
+    backend = _Recording(delay, workers)
     engine = _engine(backend, batches, prefetch=PREFETCH)
     backend.engine = engine
     got = _drain(engine)
@@ -86,6 +89,46 @@ def test_while_workers_run_ahead_any_answer_ends_a_wait() -> None:
     assert len(late) > 5 and late[:5] == [None] * 5, late[:8]
     assert late[-1] == SLOW % WORKERS, "at the limit, the head's worker"
     assert all(awaited == u[min(u)] for awaited, u in backend.awaited[:2])
+
+
+def test_with_two_workers_any_answer_ends_a_wait_too() -> None:
+    # Two workers, one slow sample at the head: the other worker goes on far past its queue
+    # (waiting on the head's worker alone, it ran dry after prefetch_factor tasks).
+    backend, engine, got = _run(_late_head, workers=2)
+    assert got == BATCHES
+    assert all(worker == task % 2 for worker, task in backend.submits)
+    late = [a for a, u in backend.awaited if SLOW in u and min(u) == SLOW]
+    assert late[:5] == [None] * 5, late[:8]
+    before_slow = backend.answered[: backend.answered.index(SLOW)]
+    assert len(before_slow) > 3 * 2 * PREFETCH
+    assert engine.stats.snapshot().run_ahead_peak > 2 * PREFETCH
+
+
+class _LateHead:
+    """A ledger whose head (task 0, worker 0's) is late, with answers waiting behind it."""
+
+    unyielded = 4
+    rcvd_idx = 0
+    inflight: ClassVar[dict[int, Sent]] = {0: Sent(0, [0], 0)}
+
+    def head_late(self) -> bool:
+        return True
+
+    def answered_waiting(self) -> int:
+        return 3
+
+
+@pytest.mark.parametrize("slots", [2, 3, 8])
+def test_the_sleep_is_cut_to_a_tick_with_three_workers_or_more(slots: int) -> None:
+    # With two workers the consumer wakes at answers only: a tick would wake it several times
+    # for each batch of a worker that is slower for good (one that shares the consumer's core).
+    stats = PassStats(slots, False, True)
+    ahead = RunAhead(_LateHead(), stats, 2 * slots, enabled=True)  # type: ignore[arg-type]
+    ahead.resize(2 * slots, slots)
+    ahead.survey(torch.zeros(10), yielded=1)
+    assert ahead.wakes_on_any()
+    assert (ahead.sleep_bound() == ahead.tick) == (slots > 2)
+    assert slots > 2 or ahead.sleep_bound() == float("inf")
 
 
 def test_the_run_ahead_stays_within_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -247,3 +290,24 @@ def test_batch_bytes_is_an_estimate_that_never_raises() -> None:
 
     sparse = torch.tensor([[0.0, 2.0], [3.0, 0.0]]).to_sparse()
     assert batch_bytes({"s": sparse, "odd": Odd(), "x": torch.zeros(4)}) >= 16
+
+
+def test_a_head_worker_slow_for_good_is_not_run_ahead_of() -> None:
+    # Round robin runs at the pace of a worker several times slower than the others: running
+    # ahead of it would only fill memory and wake the consumer. A slow sample now and then is
+    # another matter, and with tasks going to the least busy worker the others take its share.
+    stats = PassStats(3, False, True)
+    for worker_id, busy in ((0, 0.100), (1, 0.010), (2, 0.012)):
+        stats.workers[worker_id].tasks = 5
+        stats.workers[worker_id].busy_s = busy
+    ahead = RunAhead(_LateHead(), stats, 6, enabled=True)  # type: ignore[arg-type]
+    ahead.survey(torch.zeros(10), yielded=1)
+    assert ahead.slow_for_good(0) and not ahead.slow_for_good(1)
+    assert not ahead.wakes_on_any(), "the head's worker, 0, sets the pace"
+    assert ahead.sleep_bound() == float("inf")
+    stats.workers[0].busy_s = 0.030  # 6 ms a task against 2.2: slow samples, not a slow worker
+    assert not ahead.slow_for_good(0) and ahead.wakes_on_any()
+    stats.workers[0].busy_s = 0.100
+    least_busy = RunAhead(_LateHead(), stats, 6, enabled=True, round_robin=False)  # type: ignore[arg-type]
+    least_busy.survey(torch.zeros(10), yielded=1)
+    assert not least_busy.slow_for_good(0) and least_busy.wakes_on_any()
