@@ -124,11 +124,16 @@ class Stall:
 
 
 class _WorkerCounter:
-    __slots__ = ("busy_s", "fetch_times", "restarts", "tasks")
+    __slots__ = ("busy_s", "busy_sq", "fetch_times", "first_s", "restarts", "tasks")
 
     def __init__(self) -> None:
         self.tasks = 0
         self.busy_s = 0.0
+        # The first task's time, and the sum of the squares of the others': with busy_s, the
+        # spread of the task times (RunAhead.survey). A worker's first task is left out: it
+        # also pays for the worker's start (cold caches, the dataset's first use).
+        self.first_s = 0.0
+        self.busy_sq = 0.0
         self.restarts = 0
         self.fetch_times: list[float] = []
 
@@ -220,6 +225,10 @@ class PassStats:
         counter = self.workers[worker_id]
         counter.tasks += 1
         counter.busy_s += seconds
+        if counter.tasks == 1:
+            counter.first_s = seconds
+        else:
+            counter.busy_sq += seconds * seconds
         times = counter.fetch_times
         if len(times) < RESERVOIR_SIZE:
             times.append(seconds)

@@ -27,8 +27,8 @@ worker answers (``Ledger.awaited``). While the head is late and the workers coul
 any worker's answer ends the wait instead (``wakes_on_any``), and that worker is topped up at
 once: waiting on the head's worker alone, the others ran dry behind it. With three workers or
 more, while answers wait behind a late head, the sleep is also cut to ``tick``, half the mean
-time a task takes (within ``TICK_MIN_S`` and ``TICK_MAX_S``). While the head is on time,
-neither costs a wake-up.
+time a task takes (within ``TICK_MIN_S`` and ``TICK_MAX_S``). With two workers, only where
+task times are uneven (see ``resize``). While the head is on time, neither costs a wake-up.
 """
 
 from __future__ import annotations
@@ -57,6 +57,15 @@ TICK_MIN_S = 0.001
 TICK_MAX_S = 0.100
 # ... at this share of it: a worker with a short queue finishes its tasks in less.
 TICK_SHARE = 0.5
+# With two workers, any answer ends a wait behind a late head only where the workers' task
+# times spread this much: their standard deviation over their mean (within each worker), see
+# RunAhead.resize. Measured on 2 cores (2 workers, the default batch sizes): jpeg 0.21, tiny
+# 0.28, image 0.22; samples that sleep a lognormal time of sigma 0.25, 0.5 and 1 (batch 1):
+# 0.25, 0.54, 1.40.
+UNEVEN_SPREAD = 0.4
+# ... judged once the workers have answered this many tasks each (their first left out) on
+# average; until then a survey comes at every window.
+SPREAD_MIN_TASKS = 4
 # A worker whose tasks take this many times the others' mean (over this many tasks of its own
 # at least) is slow for good, not late by chance: see RunAhead.slow_for_good.
 SLOW_FOR_GOOD = 4.0
@@ -78,6 +87,7 @@ class RunAhead:
         "_stats",
         "_surveyed",
         "_ticks",
+        "_uneven",
         "batch_bytes",
         "capacity",
         "limit",
@@ -108,6 +118,8 @@ class RunAhead:
         # Whether the engine's sleep is cut to ``tick`` while workers run ahead (3 workers or
         # more, see resize).
         self._ticks = False
+        # Whether the workers' task times are uneven (UNEVEN_SPREAD), as of the last survey.
+        self._uneven = False
         # The number of batches handed over at which to survey (again); never, disabled.
         self.next_survey: float = first_survey if enabled else math.inf
 
@@ -123,23 +135,45 @@ class RunAhead:
             busy += counter.busy_s
         if tasks:
             self.tick = min(TICK_MAX_S, max(TICK_MIN_S, TICK_SHARE * busy / tasks))
+        if not self._ticks and not self._judge_spread():
+            self.next_survey = yielded + self.capacity
         self.resize(self.capacity)
+
+    def _judge_spread(self) -> bool:
+        """Set ``_uneven`` from the workers' task times (their first left out); False while
+        they are too few to tell."""
+        workers = self._stats.workers
+        tasks = busy = squares = 0.0
+        for counter in workers:
+            n = counter.tasks - 1
+            if n > 0:
+                # (each worker's own spread: one worker slower than another is not uneven)
+                own = counter.busy_s - counter.first_s
+                tasks += n
+                busy += own
+                squares += counter.busy_sq - own * own / n
+        if tasks < SPREAD_MIN_TASKS * len(workers):
+            return False
+        mean = busy / tasks
+        self._uneven = squares > 0 and squares / tasks >= (UNEVEN_SPREAD * mean) ** 2
+        return True
 
     def resize(self, capacity: int, slots: int | None = None) -> None:
         """The limit for a window of ``capacity`` tasks over ``slots`` workers (the controller
         may change both)."""
         self.capacity = capacity
         if slots is not None:
-            # NOTE: with two workers, the sleep is never cut to a tick. That is the small
-            # machine's case, where each wake-up takes a core from the workers (see
-            # Ledger.awaited), and where one of two workers is often slower for good (a core it
-            # shares with the consumer): its batch is then the late head at most hand-overs,
-            # and a tick would wake the consumer several times for each of its batches (image,
-            # 2 workers, 2 cores: 7 % fewer items/s with it). Waking on any answer costs at
-            # most one wake-up per batch, the most an out-of-order pass takes, and without it
-            # the other worker ran dry behind each slow sample: in order, on samples of
-            # lognormal sigma 1, 74 % of the floor against 91 % with it (benchmark notes,
-            # "Two workers behind a late head").
+            # NOTE: with two workers, the sleep is never cut to a tick, and any answer ends a
+            # wait behind a late head only where task times are uneven (UNEVEN_SPREAD). That
+            # is the small machine's case, where each wake-up takes a core from the workers
+            # (see Ledger.awaited), and where the head is late at most hand-overs without any
+            # sample being slow: the two workers take turns, and one of them may share a core
+            # with the consumer. There a tick would wake the consumer several times for each
+            # batch (image, 2 workers, 2 cores: 7 % fewer items/s with it), and waking on any
+            # answer cost jpeg 8-14 % of its items/s, its workers already 98 % busy. Where
+            # samples are uneven, the other worker ran dry behind each slow one: in order, at
+            # lognormal sigma 1, 74 % of the floor waiting on the head's worker alone, 91 %
+            # waking on any answer (benchmark notes, "Two workers behind a late head").
             self._ticks = slots > 2
         if not self._surveyed:
             return
@@ -179,12 +213,14 @@ class RunAhead:
 
     def wakes_on_any(self) -> bool:
         """Whether the engine's next wait ends at any worker's answer rather than only the
-        head's: while the head is late and workers may run further ahead. A worker that
+        head's: while the head is late and workers may run further ahead (with two workers,
+        where task times are uneven: see ``resize``). A worker that
         answers then has its queue topped up at once; waiting on the head's worker alone, the
         others would run dry behind it and sit idle until it answers."""
         ledger = self._ledger
         return (
             self.limit > 0
+            and (self._ticks or self._uneven)
             and ledger.unyielded < self.capacity + self.limit
             and ledger.head_late()
             and not self.slow_for_good(ledger.inflight[ledger.rcvd_idx].worker_id)
