@@ -326,8 +326,8 @@ def test_a_head_worker_slow_for_good_is_not_run_ahead_of() -> None:
     # ahead of it would only fill memory and wake the consumer. A slow sample now and then is
     # another matter, and with tasks going to the least busy worker the others take its share.
     stats = PassStats(3, False, True)
-    for worker_id, busy in ((0, 0.100), (1, 0.010), (2, 0.012)):
-        stats.workers[worker_id].tasks = 5
+    for worker_id, busy in ((0, 0.160), (1, 0.016), (2, 0.019)):
+        stats.workers[worker_id].tasks = 8
         stats.workers[worker_id].busy_s = busy
     ahead = RunAhead(_LateHead(), stats, 6, enabled=True)  # type: ignore[arg-type]
     ahead.resize(6, 3)
@@ -335,9 +335,12 @@ def test_a_head_worker_slow_for_good_is_not_run_ahead_of() -> None:
     assert ahead.slow_for_good(0) and not ahead.slow_for_good(1)
     assert not ahead.wakes_on_any(), "the head's worker, 0, sets the pace"
     assert ahead.sleep_bound() == float("inf")
-    stats.workers[0].busy_s = 0.030  # 6 ms a task against 2.2: slow samples, not a slow worker
+    stats.workers[0].busy_s = 0.048  # 6 ms a task against 2.2: slow samples, not a slow worker
     assert not ahead.slow_for_good(0) and ahead.wakes_on_any()
-    stats.workers[0].busy_s = 0.100
+    stats.workers[0].tasks = 7  # too few to tell
+    stats.workers[0].busy_s = 0.140
+    assert not ahead.slow_for_good(0)
+    stats.workers[0].tasks, stats.workers[0].busy_s = 8, 0.160
     least_busy = RunAhead(_LateHead(), stats, 6, enabled=True, round_robin=False)  # type: ignore[arg-type]
     least_busy.resize(6, 3)
     least_busy.survey(torch.zeros(10), yielded=1)
