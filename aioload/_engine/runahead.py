@@ -217,9 +217,10 @@ class RunAhead:
     def wakes_on_any(self) -> bool:
         """Whether the engine's next wait ends at any worker's answer rather than only the
         head's: while the head is late and workers may run further ahead (with two workers,
-        where task times are uneven: see ``resize``). A worker that
-        answers then has its queue topped up at once; waiting on the head's worker alone, the
-        others would run dry behind it and sit idle until it answers."""
+        where task times are uneven: see ``resize``), unless the head's worker is slow for
+        good. A worker that answers then has its queue topped up at once; waiting on the
+        head's worker alone, the others would run dry behind it and sit idle until it
+        answers."""
         ledger = self._ledger
         return (
             self.limit > 0
