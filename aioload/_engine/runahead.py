@@ -175,7 +175,7 @@ class RunAhead:
             # batch (image, 2 workers, 2 cores: 7 % fewer items/s with it), and waking on any
             # answer cost jpeg 8-14 % of its items/s, its workers already 98 % busy. Where
             # samples are uneven, the other worker ran dry behind each slow one: in order, at
-            # lognormal sigma 1, 74 % of the floor waiting on the head's worker alone, 91 %
+            # lognormal sigma 1, 74 % of the floor waiting on the head's worker alone, 92 %
             # waking on any answer (benchmark notes, "Two workers behind a late head").
             self._ticks = slots > 2
         if not self._surveyed:
