@@ -251,11 +251,12 @@ class RunAhead:
             return False
         return own_busy * tasks >= SLOW_FOR_GOOD * busy * own_tasks
 
-    def sleep_bound(self) -> float:
+    def sleep_bound(self, wakes_on_any: bool) -> float:
         """The longest the engine may sleep: while workers are ahead of a late head (their
-        answers wait behind it) and could run further, ``tick``, so that it notices those that
-        run dry; else no bound (and none with fewer than three workers: see ``resize``)."""
-        if self._ticks and self.wakes_on_any() and self._ledger.answered_waiting():
+        answers wait behind it) and could run further (``wakes_on_any``, as just asked),
+        ``tick``, so that it notices those that run dry; else no bound (and none with fewer
+        than three workers: see ``resize``)."""
+        if self._ticks and wakes_on_any and self._ledger.answered_waiting():
             return self.tick
         return math.inf
 

@@ -55,12 +55,14 @@ class PlannedWait:
         and ``timeout``'s limit, and run-ahead's bound. While workers run ahead of a late
         head, any worker's answer ends the wait (``RunAhead.wakes_on_any``)."""
         backend.flush()
-        if awaited is not None and ahead.wakes_on_any():
+        # Asked once: it walks the workers' counters while the head is late.
+        any_answer = ahead.wakes_on_any()
+        if any_answer:
             awaited = None
         self.waitable = waitable = backend.waitable(awaited)
         left = hang.sleep_limit(deadline, waitable, backend, ledger)
         if waitable.work is None:
-            self.seconds = min(waitable.budget, left, ahead.sleep_bound())
+            self.seconds = min(waitable.budget, left, ahead.sleep_bound(any_answer))
 
     def skip(self) -> None:
         """No wait at all (an overdue step's): under ``async for`` only its checkpoint."""

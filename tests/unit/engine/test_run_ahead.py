@@ -152,8 +152,8 @@ def test_the_sleep_is_cut_to_a_tick_with_three_workers_or_more(slots: int) -> No
     ahead.resize(2 * slots, slots)
     ahead.survey(torch.zeros(10), yielded=1)
     assert ahead.wakes_on_any()
-    assert (ahead.sleep_bound() == ahead.tick) == (slots > 2)
-    assert slots > 2 or ahead.sleep_bound() == float("inf")
+    assert (ahead.sleep_bound(ahead.wakes_on_any()) == ahead.tick) == (slots > 2)
+    assert slots > 2 or ahead.sleep_bound(ahead.wakes_on_any()) == float("inf")
     for counter in stats.workers:  # after the first, five tasks of 8 ms each
         counter.busy_sq = 5 * 0.008**2
     ahead.survey(torch.zeros(10), yielded=65)
@@ -334,7 +334,7 @@ def test_a_head_worker_slow_for_good_is_not_run_ahead_of() -> None:
     ahead.survey(torch.zeros(10), yielded=1)
     assert ahead.slow_for_good(0) and not ahead.slow_for_good(1)
     assert not ahead.wakes_on_any(), "the head's worker, 0, sets the pace"
-    assert ahead.sleep_bound() == float("inf")
+    assert ahead.sleep_bound(ahead.wakes_on_any()) == float("inf")
     stats.workers[0].busy_s = 0.048  # 6 ms a task against 2.2: slow samples, not a slow worker
     assert not ahead.slow_for_good(0) and ahead.wakes_on_any()
     stats.workers[0].tasks = 7  # too few to tell
