@@ -11,7 +11,9 @@ workers each import torch and the dataset's modules themselves. Each run reports
 done beforehand; the workers' start and ``"auto"``'s trial included) and its peak memory: the sum of PSS
 (``/proc/<pid>/smaps_rollup``) over the run's process and its workers, sampled while it runs
 (RSS would count the pages parent and workers share once per process). Runs alternate (every
-loader once per round, the order rotated each round) and the medians are reported.
+loader once per round, the order rotated each round) and the medians are reported. Two more
+"loaders", ``bare-threads`` and ``bare-processes``, make the same batches with no loader
+(:mod:`benchmarks.bare_workers`): the ceiling of threads against processes.
 
     python -m benchmarks.threads                # 3 rounds (about 4 minutes)
     python -m benchmarks.threads --quick        # a smoke run
@@ -31,11 +33,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import provenance
+from benchmarks import bare_workers, provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = {"jpeg": (100_000, 32), "tiny": (4_000_000, 256), "image": (400_000, 64)}
-LOADERS = ("thread", "multiprocessing", "forkserver", "auto", "torch")
+LOADERS = ("thread", "multiprocessing", "forkserver", "auto", "torch", *bare_workers.KINDS)
 # Loaders that are aioload's worker processes, each under its start method (None: Python's
 # default, named in the results as the one it was).
 PROCESS_START = {"multiprocessing": None, "forkserver": "forkserver"}
@@ -58,6 +60,8 @@ def run_one(loader_name: str, workload: str, workers: int, min_seconds: float) -
     size, batch_size = WORKLOADS[workload]
     dataset = make_dataset(workload, size, 0)
     dataset[0]  # (the files are drawn, and the modules imported, before the clock starts)
+    if loader_name in bare_workers.KINDS:
+        return bare_workers.run_bare(loader_name, dataset, workers, batch_size, min_seconds)
     kwargs: dict[str, Any] = {"batch_size": batch_size, "num_workers": workers}
     make: Any = torch.utils.data.DataLoader
     if loader_name in PROCESS_START:
@@ -235,6 +239,20 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def ceilings(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per workload, plain threads over plain processes (no loader), items/s and peak memory:
+    the best that thread workers can do against processes here, whatever the loader does."""
+    by = {(r["workload"], r["loader"]): r for r in rows}
+    out = {}
+    for (workload, loader), p in by.items():
+        t = by.get((workload, "bare-threads"))
+        if loader == "bare-processes" and t:
+            out[workload] = {
+                key: round(t[key] / p[key], 3) for key in ("items_per_s", "peak_pss_bytes")
+            }
+    return out
+
+
 def _ratio(value: float, against: float, sense: str, bound: float) -> dict[str, Any]:
     ratio = value / against if against else float("inf")
     met = ratio >= bound if sense == ">=" else ratio <= bound
@@ -249,6 +267,8 @@ _NAMES = {
     "forkserver": 'aioload, `"multiprocessing"`',
     "auto": 'aioload, `"auto"`',
     "torch": "torch",
+    "bare-threads": "no loader: plain threads",
+    "bare-processes": "no loader: forked processes",
 }
 
 
@@ -284,6 +304,10 @@ def _target_lines(result: dict[str, Any]) -> list[str]:
     return [
         f"- {words[k]}: {v['ratio']:.2f} (target {v['target']}: {'met' if v['met'] else 'missed'})"
         for k, v in result["targets"].items()
+    ] + [
+        f"- {w}, with no loader: plain threads over forked processes, items/s"
+        f" {r['items_per_s']:.2f}, peak memory {r['peak_pss_bytes']:.2f}"
+        for w, r in result.get("ceilings", {}).items()
     ]
 
 
@@ -305,7 +329,11 @@ def section(result: dict[str, Any]) -> str:
             " 3x224x224, batch 64. Items/s from the first batch on; the first batch timed from"
             " the loader's construction, imports done (workers' start and `\"auto\"`'s trial"
             " included); memory"
-            " is the peak of the summed PSS of the run's process and its workers.",
+            " is the peak of the summed PSS of the run's process and its workers. The"
+            " no-loader rows make the same batches in plain threads, or in forked processes,"
+            " and hand none over (`benchmarks/bare_workers.py`): their ratio is the most that"
+            " thread workers can reach against processes on this interpreter, whatever the"
+            " loader does.",
             "",
             table(result["rows"]),
             "",
@@ -371,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
     }
     result["targets"] = targets(rows)
+    result["ceilings"] = ceilings(rows)
     print(table(rows))
     print("\n".join(_target_lines(result)))
     if args.json is not None:

@@ -142,3 +142,20 @@ def test_one_run_reports_its_rate_and_first_batch(loader: str) -> None:
     if loader == "multiprocessing":
         # (Named in the results: Python's default, which is forkserver from 3.14 on Linux.)
         assert result["start_method"] == multiprocessing.get_start_method()
+
+
+def test_the_ceilings_are_plain_threads_over_plain_processes() -> None:
+    rows = [
+        *ROWS,
+        _row("jpeg", "bare-threads", 930.0, 0.1, 330 << 20),
+        _row("jpeg", "bare-processes", 1000.0, 0.1, 300 << 20),
+        _row("tiny", "bare-threads", 100.0, 0.1, 100 << 20),
+    ]
+    assert threads.ceilings(rows) == {"jpeg": {"items_per_s": 0.93, "peak_pss_bytes": 1.1}}
+    assert "| jpeg | no loader: plain threads | 930 |" in threads.table(rows)
+
+
+@pytest.mark.parametrize("kind", ["bare-threads", "bare-processes"])
+def test_a_run_with_no_loader_reports_its_rate_and_first_batch(kind: str) -> None:
+    result = threads.run_one(kind, "tiny", workers=2, min_seconds=0.2)
+    assert result["items_per_s"] > 0 and result["first_batch_s"] > 0
