@@ -207,19 +207,24 @@ class BackendKeeper:
         self._owner = weakref.ref(owner)
         self.persistent = persistent
         self.kept: WorkerBackend | None = None
+        # How many workers the kept backend runs: a pass that asks for another count (the
+        # user set `loader.num_workers` between passes) starts fresh workers, as many as it
+        # asks for, and the kept ones stop.
+        self.kept_workers = 0
         # The pass that runs on the kept backend: superseded (closed) when the next begins.
         self.current_pass: Callable[[], Any] | None = None
 
-    def reusable(self) -> bool:
-        """Whether the next pass runs on the kept backend (and so draws no base seed)."""
+    def reusable(self, num_workers: int) -> bool:
+        """Whether the next pass, on ``num_workers`` workers, runs on the kept backend (and so
+        draws no base seed)."""
         kept = self.kept if self.persistent else None
-        return kept is not None and not kept.retired
+        return kept is not None and not kept.retired and self.kept_workers == num_workers
 
     def for_pass(
-        self, make: Callable[[int], WorkerBackend], base_seed: int | None
+        self, make: Callable[[int], WorkerBackend], base_seed: int | None, num_workers: int
     ) -> tuple[Callable[[], WorkerBackend], bool]:
-        """A factory for this pass's backend (called on the pass's first ``next()``), and
-        whether the pass owns it (closes it when it ends)."""
+        """A factory for this pass's backend on ``num_workers`` workers (called on the pass's
+        first ``next()``), and whether the pass owns it (closes it when it ends)."""
         if not self.persistent:
             assert base_seed is not None
             seed = base_seed
@@ -229,7 +234,7 @@ class BackendKeeper:
             # One pass at a time on a kept backend: the one before ends, and says why if it
             # is asked for another batch (quietly, it would pass for a whole epoch).
             previous.close(RuntimeError(SUPERSEDED_MESSAGE))
-        if self.reusable():
+        if self.reusable(num_workers):
             kept = self.kept
             assert kept is not None
             return (lambda: kept), False
@@ -239,7 +244,7 @@ class BackendKeeper:
 
         def start() -> WorkerBackend:
             backend = make(seed)
-            self.kept = backend
+            self.kept, self.kept_workers = backend, num_workers
             owner = self._owner()
             if owner is not None:
                 # The workers die with the loader (or at interpreter exit), not with a pass.

@@ -76,7 +76,7 @@ def choose_backend(
         # Worker 0 forked now, the others at the engine's waits (see WorkerPool._start).
         return WorkerPool(spec, seed, stagger=True)
 
-    make, owned = keeper.for_pass(make_workers, base_seed)
+    make, owned = keeper.for_pass(make_workers, base_seed, spec.num_workers)
     traits = OUT_OF_PROCESS
     if workers is None and spec.worker_method == "thread":
         from .thread import THREAD

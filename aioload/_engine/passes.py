@@ -150,7 +150,7 @@ class PassPlanner:
 
     def _next_pass_progress(self, arguments: PassArguments) -> PassProgress:
         """The state between passes: the next pass, as it will start."""
-        reusable = arguments.num_workers > 0 and self.workers.reusable()
+        reusable = arguments.num_workers > 0 and self.workers.reusable(arguments.num_workers)
         iterable = arguments.dataset_kind == 1
         progress = PassProgress(
             epoch=self.next_epoch,
@@ -248,7 +248,7 @@ class PassPlanner:
         if arguments.shard_sampler is not None:
             arguments.shard_sampler.set_epoch(epoch)
         loaded, self.loaded = self.loaded, None
-        reuse_workers = arguments.num_workers > 0 and self.workers.reusable()
+        reuse_workers = arguments.num_workers > 0 and self.workers.reusable(arguments.num_workers)
         if arguments.tuner is not None:
             self._tune_workers(arguments, loaded, reuse_workers)
         start = self._start(pass_kind(loaded, reuse_workers), arguments, epoch, loaded)

@@ -251,6 +251,27 @@ def test_dataset_holding_a_multiprocessing_event_under_spawn(
     assert got.value == expected.value
 
 
+def test_num_workers_set_between_passes_of_persistent_workers(
+    loader_cls: type[Any], reference: Reference, no_leaks: None
+) -> None:
+    """``loader.num_workers`` may be set between passes, as torch allows: every pass still
+    gives every sample once, in order (torch keeps its pool; aioload starts one of the new
+    size)."""
+
+    def scenario(cls: type[Any]) -> dict[str, Any]:
+        loader = cls(WorkerReport(12), batch_size=2, num_workers=2, persistent_workers=True)
+        passes = []
+        for count in (2, 1, 3, 0, 2):
+            loader.num_workers = count
+            passes.append([i for b in loader for i in b["index"].tolist()])
+        del loader
+        return {"passes": passes}
+
+    got = reference.run(scenario)
+    assert got == reference(scenario)
+    assert got["passes"] == [list(range(12))] * 5
+
+
 @pytest.mark.parametrize("persistent_workers", [False, True])
 def test_changes_to_the_dataset_between_epochs(
     persistent_workers: bool,
