@@ -136,6 +136,10 @@ class _ThreadWorker:
     def __init__(self, backend: ThreadBackend, worker_id: int) -> None:
         self.worker_id = worker_id
         self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # Set by the engine when this incarnation is abandoned or replaced: the tasks left in
+        # its inbox went to the slot's new thread, so it must run none of them (a dataset
+        # would see those samples fetched twice, at once).
+        self.dismissed = threading.Event()
         self.shared = backend.shared
         spec = backend.spec
         # As a local process gets them (payload: the objects themselves, shared), but with
@@ -176,7 +180,7 @@ class _ThreadWorker:
             _set_thread_worker_info(None)
 
     def _serve(self, step: WorkerStep) -> None:
-        while (message := self.inbox.get()) is not _STOP:
+        while (message := self.inbox.get()) is not _STOP and not self.dismissed.is_set():
             if isinstance(message, Reset):
                 if step.accepts(message):
                     step.generation = message.generation
@@ -212,7 +216,7 @@ class _ThreadWorker:
     def _serve_on(self, loop: asyncio.AbstractEventLoop, step: WorkerStep) -> None:
         """An async dataset's tasks, one after another, each awaited on this thread's loop
         (its samples ``worker_concurrency`` at a time)."""
-        while (message := self.inbox.get()) is not _STOP:
+        while (message := self.inbox.get()) is not _STOP and not self.dismissed.is_set():
             if isinstance(message, Reset):
                 if step.accepts(message):
                     step.generation = message.generation
@@ -233,13 +237,15 @@ class _ThreadWorker:
 
     async def _unless_stale(self, step: WorkerStep, task: Task) -> StepResult | None:
         """``step.run_async(task)``, cancelled (None: no answer, the engine drops stale
-        ones) once its pass is left or the backend closed."""
+        ones) once its pass is left, the backend closed or this thread dismissed."""
         import asyncio  # (lazy, as the module's other imports of it)
 
         job = asyncio.ensure_future(step.run_async(task))
         while not job.done():
             await asyncio.wait({job}, timeout=_STALE_CHECK_S)
-            if not job.done() and not self.shared.current(task.generation):
+            if not job.done() and (
+                self.dismissed.is_set() or not self.shared.current(task.generation)
+            ):
                 job.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await job
@@ -418,6 +424,7 @@ class ThreadBackend:
         if plan is not None:
             self.plans[worker_id] = plan
         old = self.workers[worker_id]
+        old.dismissed.set()
         old.inbox.put(_STOP)
         replacement = _ThreadWorker(self, worker_id)
         self.workers[worker_id] = replacement
@@ -429,7 +436,8 @@ class ThreadBackend:
         """A thread that stopped answering cannot be killed: it is left to finish (or never
         finish) its sample as a daemon, and reported lost at the next poll."""
         worker = self.workers[worker_id]
-        worker.inbox.put(_STOP)  # it leaves if its sample ever ends
+        worker.dismissed.set()  # it runs nothing more, and leaves if its sample ever ends
+        worker.inbox.put(_STOP)
         self._abandoned.append(worker_id)
 
     def retire(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -183,6 +184,42 @@ def test_a_stuck_thread_is_abandoned_and_replaced_exactly_once() -> None:
     # comes, is dropped).
     assert got == [[i, i + 1] for i in range(0, 16, 2)]
     assert dataset.fetches.count(5) == 2
+
+
+class SlowStuck(Stuck):
+    """``Stuck``, each sample taking 20 ms."""
+
+    def __getitem__(self, i: int) -> int:
+        time.sleep(0.02)
+        return super().__getitem__(i)
+
+
+def test_an_abandoned_thread_runs_none_of_the_batches_queued_for_it() -> None:
+    # Worker 0 holds batches [0, 1], [4, 5], [8, 9], ... (prefetch 4); it sticks in index 4.
+    # Its replacement takes over [4, 5] and the batches queued behind it. Unstuck while the
+    # pass goes on, the abandoned thread finishes [4, 5] and must fetch nothing more.
+    dataset = SlowStuck(48, stuck=4)
+    loader = aioload.DataLoader(
+        dataset,
+        batch_size=2,
+        num_workers=2,
+        worker_method="thread",
+        timeout=0.5,
+        max_worker_restarts=1,
+        prefetch_factor=4,
+    )
+    try:
+        with pytest.warns(RuntimeWarning, match="abandoned"):
+            got = []
+            for batch in loader:
+                got.append(batch.tolist())
+                if got[-1] == [4, 5]:
+                    dataset.release.set()
+    finally:
+        dataset.release.set()
+    assert got == [[i, i + 1] for i in range(0, 48, 2)]
+    twice = {i for i in dataset.fetches if dataset.fetches.count(i) > 1}
+    assert twice <= {4, 5} and 4 in twice
 
 
 def test_a_stuck_thread_times_out_naming_worker_and_indices() -> None:
