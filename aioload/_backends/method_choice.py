@@ -6,6 +6,7 @@ and reported with its figures in ``stats().as_dict()["tuning"]["worker_method"]`
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -29,6 +30,9 @@ _PROCESS_OVERHEAD_PER_SAMPLE_S = 1.5e-6
 # to deliver: within the estimate's error, threads are the cheaper (no copy of the dataset per
 # worker, no /dev/shm, a faster first batch).
 _THREADS_AT_LEAST = 0.9
+# The trial threads' generators (``get_worker_info().rng``) are seeded from this, not from the
+# pass's base seed, which is not drawn yet (drawing it would move torch's generator).
+_TRIAL_BASE_SEED = 0
 
 
 def choose_worker_method(spec: WorkerSpec, cores: int) -> dict[str, Any]:
@@ -60,20 +64,27 @@ def choose_worker_method(spec: WorkerSpec, cores: int) -> dict[str, Any]:
         untried = "one usable core: threads cannot run in parallel"
     if untried is not None:
         return {**choice, "value": "multiprocessing", "reason": untried}
+    drew_rng = threading.Event()
     try:
-        one, many = _trial(dataset, workers)
+        one, many = _trial(spec, workers, drew_rng)
     except Exception as error:
         return {**choice, "value": "multiprocessing", "reason": f"the trial failed: {error!r}"}
     processes = _processes_estimate(one, workers)
     threads = many >= _THREADS_AT_LEAST * processes
+    reason = (
+        f"{workers} threads fetched {many:.0f} samples/s, "
+        f"{'at least' if threads else 'under'} {_THREADS_AT_LEAST:g}x the "
+        f"{processes:.0f} estimated for {workers} processes"
+    )
+    if drew_rng.is_set():
+        # Written for thread workers: a worker process's get_worker_info().rng is None, as
+        # torch's is, and every sample would fail there.
+        threads = True
+        reason = "the dataset uses get_worker_info().rng, which thread workers alone have"
     return {
         **choice,
         "value": "thread" if threads else "multiprocessing",
-        "reason": (
-            f"{workers} threads fetched {many:.0f} samples/s, "
-            f"{'at least' if threads else 'under'} {_THREADS_AT_LEAST:g}x the "
-            f"{processes:.0f} estimated for {workers} processes"
-        ),
+        "reason": reason,
         "samples_per_s_one_thread": round(one, 1),
         f"samples_per_s_{workers}_threads": round(many, 1),
         f"samples_per_s_{workers}_processes_estimated": round(processes, 1),
@@ -88,30 +99,80 @@ def _processes_estimate(one: float, workers: int) -> float:
     return workers / (1.0 / one + _PROCESS_OVERHEAD_PER_SAMPLE_S)
 
 
-def _trial(dataset: Any, workers: int) -> tuple[float, float]:
+def _trial(spec: WorkerSpec, workers: int, drew_rng: threading.Event) -> tuple[float, float]:
     """Samples per second of one thread, then of ``workers`` threads at once, each fetching
-    for ``_TRIAL_S`` (map-style: indices from 0 on, wrapping round)."""
+    for ``_TRIAL_S`` (map-style: indices from 0 on, wrapping round); ``drew_rng`` is set if a
+    sample used its ``get_worker_info().rng``."""
     from .._worker.fetch import RngStates
 
-    size = len(dataset)
+    size = len(spec.dataset)
     if size == 0:
         raise ValueError("an empty dataset")
     saved = RngStates()
     try:
-        one = _rate(dataset, size, 1)
-        many = _rate(dataset, size, workers)
+        one = _rate(spec, size, 1, drew_rng)
+        many = _rate(spec, size, workers, drew_rng)
     finally:
         saved.install()
     return one, many
 
 
-def _rate(dataset: Any, size: int, workers: int) -> float:
+class _WatchedRng:
+    """A trial thread's ``get_worker_info().rng``: its generators, noting that the dataset
+    asked for one."""
+
+    __slots__ = ("_rng", "_used")
+
+    def __init__(self, rng: Any, used: threading.Event) -> None:
+        self._rng = rng
+        self._used = used
+
+    def __getattr__(self, name: str) -> Any:
+        self._used.set()
+        return getattr(self._rng, name)
+
+
+def _as_worker(spec: WorkerSpec, worker_id: int, drew_rng: threading.Event) -> None:
+    """The calling trial thread's ``get_worker_info()``: a thread worker's, as worker
+    ``worker_id`` of the loader's ``num_workers`` (a dataset written for thread workers reads
+    its ``id`` or draws from its ``rng``), with generators of the trial's own, seeded from
+    ``_TRIAL_BASE_SEED``: the workers' real ones, seeded from the pass's base seed, are not
+    drawn from. No ``worker_init_fn``: it runs once per worker, in the workers."""
+    from torch.utils.data._utils.worker import _generate_state
+
+    from .._worker.info import (
+        _set_thread_worker_info,
+        install_thread_hook,
+        make_rng,
+        thread_worker_info,
+    )
+
+    install_thread_hook()
+    seed = _TRIAL_BASE_SEED + worker_id
+    rng = make_rng(seed, _generate_state(_TRIAL_BASE_SEED, worker_id))  # type: ignore[no-untyped-call]
+    info = thread_worker_info(
+        id=worker_id,
+        num_workers=spec.num_workers,
+        seed=seed,
+        dataset=spec.dataset,
+        rank=spec.rank,
+        world_size=spec.world_size,
+        rng=_WatchedRng(rng, drew_rng),
+    )
+    _set_thread_worker_info(info)
+
+
+def _rate(spec: WorkerSpec, size: int, workers: int, drew_rng: threading.Event) -> float:
+    from .._worker.info import _set_thread_worker_info
+
+    dataset = spec.dataset
     counts = [0] * workers
     errors: list[BaseException] = []
     start = threading.Barrier(workers + 1)
 
     def fetch(k: int) -> None:
         try:
+            _as_worker(spec, k, drew_rng)
             start.wait()
             deadline = time.perf_counter() + _TRIAL_S
             index = k
@@ -121,6 +182,9 @@ def _rate(dataset: Any, size: int, workers: int) -> float:
                 index += workers
         except BaseException as error:  # (reported to the caller)
             errors.append(error)
+            start.abort()  # (the caller's wait ends, and so do the other threads')
+        finally:
+            _set_thread_worker_info(None)
 
     threads = [
         threading.Thread(target=fetch, args=(k,), name="aioload-trial", daemon=True)
@@ -129,7 +193,8 @@ def _rate(dataset: Any, size: int, workers: int) -> float:
     for thread in threads:
         thread.start()
     began = time.perf_counter()
-    start.wait()
+    with contextlib.suppress(threading.BrokenBarrierError):
+        start.wait()
     for thread in threads:
         # (Bounded: a sample that hangs here leaves the choice to processes.)
         thread.join(_TRIAL_S * 20)

@@ -56,7 +56,9 @@ def test_auto_chooses_by_the_trial_and_reports_it(
     from aioload._backends import method_choice as thread_backend
     from aioload._engine import setup
 
-    monkeypatch.setattr(thread_backend, "_rate", lambda dataset, size, workers: rates[workers > 1])
+    monkeypatch.setattr(
+        thread_backend, "_rate", lambda spec, size, workers, drew_rng: rates[workers > 1]
+    )
     monkeypatch.setattr(setup, "usable_cores", lambda: 2)
     loader = aioload.DataLoader(Tensors(), batch_size=2, num_workers=2, worker_method="auto")
     assert [int(b[0, 0]) for b in loader] == [0, 2, 4, 6]
@@ -99,6 +101,50 @@ def test_the_trial_leaves_the_global_generators_as_they_were() -> None:
     assert random.random() == random.Random(11).random()
 
 
+class PerWorkerThread(Dataset[float]):
+    """Written for thread workers, as docs/threads.md shows: a client per worker id, and draws
+    from the worker's own generators."""
+
+    def __init__(self) -> None:
+        self.clients: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> float:
+        info = torch.utils.data.get_worker_info()
+        assert info is not None and info.worker_method == "thread"
+        self.clients.setdefault(info.id, object())
+        return i + float(torch.rand((), generator=info.rng.torch_generator))
+
+
+class PerWorkerId(PerWorkerThread):
+    """Only the client per worker id (no draws from ``rng``)."""
+
+    def __getitem__(self, i: int) -> float:
+        info = torch.utils.data.get_worker_info()
+        assert info is not None
+        self.clients.setdefault(info.id, object())
+        return float(i)
+
+
+def test_the_trial_threads_are_worker_threads_to_the_dataset() -> None:
+    # In the trial, get_worker_info() is a thread worker's (else such a dataset fails there,
+    # and "auto" took processes for a failed trial). A dataset that draws from its rng gets
+    # threads: under processes it has none and every sample would fail.
+    loader = aioload.DataLoader(
+        PerWorkerThread(), batch_size=4, num_workers=2, worker_method="auto"
+    )
+    assert sorted(int(x) for b in loader for x in b.tolist()) == list(range(32))
+    choice = loader.stats().as_dict()["tuning"]["worker_method"]
+    assert choice["value"] == "thread" and "rng" in choice["reason"]
+    assert torch.utils.data.get_worker_info() is None
+    loader = aioload.DataLoader(PerWorkerId(), batch_size=4, num_workers=2, worker_method="auto")
+    assert sorted(int(x) for b in loader for x in b.tolist()) == list(range(32))
+    choice = loader.stats().as_dict()["tuning"]["worker_method"]
+    assert "samples/s" in choice["reason"], choice["reason"]
+
+
 @pytest.mark.parametrize(
     "rates, chosen",
     [
@@ -117,7 +163,9 @@ def test_auto_weighs_threads_against_the_processes_estimate(
     from aioload._backends import method_choice
     from aioload._backends.base import WorkerSpec
 
-    monkeypatch.setattr(method_choice, "_rate", lambda dataset, size, workers: rates[workers > 1])
+    monkeypatch.setattr(
+        method_choice, "_rate", lambda spec, size, workers, drew_rng: rates[workers > 1]
+    )
     spec = WorkerSpec(Tensors(), 0, True, None, False, None, 2, 2, None, False)
     choice = method_choice.choose_worker_method(spec, cores=2)
     assert choice["value"] == chosen, choice["reason"]
