@@ -131,12 +131,14 @@ class LoaderStats:
             user's.
         waiting_in_order_peak: In order, the most answers that waited for their turn at a
             hand-over.
-        reorder_bytes_peak: Those answers' bytes at the largest batch size seen (an estimate:
-            batches are sized now and then, not each).
+        reorder_bytes_peak: The most bytes of answers waiting for their turn at a hand-over,
+            each counted at the largest batch size known then (an estimate: batches are sized
+            now and then, and each one that waits behind a late head).
         run_ahead_limit: In order, while the head of the line is late, workers run ahead of it
             beyond the prefetch window (docs/tuning.md, "Run-ahead"): the most batches beyond
             the window the pass may send (0: none, as with ``in_order=False`` or before the
-            first batch).
+            first batch). The bound now: larger batches shrink it, so ``run_ahead_peak``, sent
+            under an earlier bound, may be over it.
         run_ahead_peak: The most batches beyond the window the pass sent at once.
         stalled: "Is it hung, and where?": the latest batch of the pass that the consumer
             waited for longer than the loader's ``hang_report_after`` (the one the hang report

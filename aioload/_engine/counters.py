@@ -170,6 +170,7 @@ class PassStats:
         self.run_ahead_limit = 0
         self.run_ahead_peak = 0
         self.batch_bytes = 0
+        self.reorder_bytes_peak = 0
         self.pin_batches = 0
         self.pin_s = 0.0
         # Skipped samples, recorded when their batch is delivered. The loader makes this the
@@ -256,6 +257,9 @@ class PassStats:
         self._waiting_sum += waiting
         if waiting > self.waiting_peak:
             self.waiting_peak = waiting
+        # (At the batch size known then: batches that grow later do not inflate an old peak.)
+        if waiting * self.batch_bytes > self.reorder_bytes_peak:
+            self.reorder_bytes_peak = waiting * self.batch_bytes
 
     # -- pin stage (its own thread) -----------------------------------------------------------
 
@@ -320,7 +324,7 @@ class PassStats:
             skipped_count=len(self.skipped),
             tuning=self._tuning_report(),
             waiting_in_order_peak=self.waiting_peak,
-            reorder_bytes_peak=self.waiting_peak * self.batch_bytes,
+            reorder_bytes_peak=self.reorder_bytes_peak,
             run_ahead_limit=self.run_ahead_limit,
             run_ahead_peak=self.run_ahead_peak,
             stalled=self.stalled.as_dict() if self.stalled is not None else None,

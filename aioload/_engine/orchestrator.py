@@ -227,6 +227,8 @@ class Orchestrator:
                 for event in backend.poll():
                     if isinstance(event, Answer):
                         ledger.accept(event)
+                        if self._ahead.limit and ledger.head_late():
+                            self._ahead.answered(event.outcome)
                     else:
                         self._lost(event)
             if stage is None:

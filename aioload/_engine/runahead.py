@@ -142,6 +142,16 @@ class RunAhead:
             self.next_survey = yielded + self.capacity
         self.resize(self.capacity)
 
+    def answered(self, outcome: Any) -> None:
+        """An answer that waits behind a late head: a batch larger than any seen shrinks the
+        limit at once. Batches that grow in the middle of a pass (sorted or bucketed by size)
+        would otherwise run ahead at the small ones' limit until the next survey, and the
+        answers waiting in order could fill several times the bound."""
+        size = batch_bytes(outcome)
+        if size > self.batch_bytes:
+            self.batch_bytes = size
+            self.resize(self.capacity)
+
     def _judge_spread(self) -> bool:
         """Set ``_uneven`` from the workers' task times (their first left out); False while
         they are too few to tell."""

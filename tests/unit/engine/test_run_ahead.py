@@ -307,6 +307,50 @@ def test_with_seed_per_sample_in_order_tasks_go_to_the_least_busy_worker(
         assert [w for _, w, _ in got] == [k % 3 for k in range(40)]
 
 
+def test_a_larger_batch_waiting_behind_a_late_head_shrinks_the_limit_at_once() -> None:
+    # Batches that grow in the middle of a pass (bucketed by size): the bound follows the
+    # first large one that waits, not the next survey, 64 batches on.
+    stats = PassStats(2, False, True)
+    ahead = RunAhead(None, stats, 4, enabled=True, max_memory=50_000)  # type: ignore[arg-type]
+    ahead.survey(torch.zeros(1000, dtype=torch.uint8), yielded=1)
+    assert ahead.limit == 50 - (4 + 2)
+    ahead.answered(torch.zeros(5000, dtype=torch.uint8))
+    assert ahead.limit == 10 - (4 + 2) and stats.run_ahead_limit == 4
+    ahead.answered(torch.zeros(10, dtype=torch.uint8))
+    assert ahead.limit == 4, "a smaller batch leaves the bound as it is"
+
+
+class _Growing(torch.utils.data.Dataset[torch.Tensor]):
+    """Samples 0-47 of 4 bytes, then of 40 KB."""
+
+    def __len__(self) -> int:
+        return 160
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.zeros(10_000 if index >= 48 else 1, dtype=torch.int32)
+
+
+def test_batches_that_grow_keep_the_batches_waiting_within_the_memory_bound() -> None:
+    # Batch 40 is late (its worker sleeps), behind it 40 KB batches: the answers waiting in
+    # order stay within what max_memory leaves, though the survey saw 4-byte batches.
+    def delay(task_id: int) -> float:
+        return 0.5 if task_id == 40 else 0.001
+
+    loader = aioload.DataLoader(
+        _Growing(),
+        batch_size=1,
+        num_workers=4,
+        prefetch_factor="auto",
+        max_memory=1 << 20,
+        workers=FakeWorkers(delay=delay, serial=True),
+    )
+    got = [int(b.numel()) for b in loader]
+    assert got == [1] * 48 + [10_000] * 112
+    stats = loader.stats()
+    assert stats.reorder_bytes_peak <= 1 << 20
+    assert stats.run_ahead_peak > 0
+
+
 def test_batch_bytes_is_an_estimate_that_never_raises() -> None:
     """A sparse tensor has no ``nbytes`` (torch raises), nor may a user's object in a batch:
     the run-ahead's memory estimate measures them without ending the pass."""
@@ -319,6 +363,10 @@ def test_batch_bytes_is_an_estimate_that_never_raises() -> None:
 
     sparse = torch.tensor([[0.0, 2.0], [3.0, 0.0]]).to_sparse()
     assert batch_bytes({"s": sparse, "odd": Odd(), "x": torch.zeros(4)}) >= 16
+    # A text batch's list of strings holds no tensor (and is not walked); a sample's tuple
+    # of a string and tensors still counts its tensors.
+    assert batch_bytes({"text": ["a"] * 256, "x": torch.zeros(4)}) == 16
+    assert batch_bytes(("a", torch.zeros(4), torch.zeros(4))) == 32
 
 
 def test_a_head_worker_slow_for_good_is_not_run_ahead_of() -> None:
