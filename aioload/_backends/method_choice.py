@@ -53,10 +53,13 @@ def choose_worker_method(spec: WorkerSpec, cores: int) -> dict[str, Any]:
     workers = max(1, min(spec.num_workers, cores))
     dataset = spec.dataset
     from .._worker.async_detect import is_async_dataset
+    from .._worker.datapipes import is_datapipe
     from .._worker.fetch import is_stateful
 
     untried = None
-    if spec.dataset_kind == 1:
+    if is_datapipe(dataset):
+        untried = "a DataPipe is sharded and reseeded in each worker's own copy"
+    elif spec.dataset_kind == 1:
         untried = "an IterableDataset is not tried (its stream would be drawn from)"
     elif is_async_dataset(dataset, spec.dataset_kind) or is_stateful(dataset):
         untried = "an async or Stateful dataset is not tried"

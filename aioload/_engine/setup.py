@@ -248,9 +248,9 @@ def check_worker_method(
             f"worker_method={worker_method!r} runs local workers; workers={workers!r} runs "
             "them elsewhere: pass one or the other"
         )
-    if worker_method != "multiprocessing" and num_workers > 0 and is_datapipe(dataset):
+    if worker_method == "thread" and num_workers > 0 and is_datapipe(dataset):
         # A DataPipe is sharded and reseeded in place in each worker (torch's workers each
-        # have a copy): one object shared by threads cannot be.
+        # have a copy): one object shared by threads cannot be. ("auto" takes processes.)
         raise ValueError(
             f"worker_method={worker_method!r} does not support DataPipes: each worker shards "
             "and reseeds its own copy of the pipe, and thread workers share one; use "

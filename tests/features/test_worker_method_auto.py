@@ -89,6 +89,18 @@ def test_auto_does_not_try_an_iterable_dataset() -> None:
     assert choice["value"] == "multiprocessing" and "IterableDataset" in choice["reason"]
 
 
+def test_a_datapipe_gets_processes() -> None:
+    # Each worker shards and reseeds its own copy of a DataPipe: threads share one, so "auto"
+    # takes processes (worker_method="thread" refuses it).
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    pipe = IterableWrapper(range(10)).sharding_filter()
+    loader = aioload.DataLoader(pipe, batch_size=2, num_workers=2, worker_method="auto")
+    assert sorted(i for b in loader for i in b.tolist()) == list(range(10))
+    choice = loader.stats().as_dict()["tuning"]["worker_method"]
+    assert choice["value"] == "multiprocessing" and "DataPipe" in choice["reason"]
+
+
 def test_the_trial_leaves_the_global_generators_as_they_were() -> None:
     from aioload._backends.base import WorkerSpec
     from aioload._backends.method_choice import choose_worker_method
