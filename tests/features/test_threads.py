@@ -165,16 +165,22 @@ class Stuck(Dataset[int]):
         return i
 
 
-def test_a_stuck_thread_is_abandoned_and_replaced_exactly_once() -> None:
-    dataset = Stuck(16, stuck=5)
-    loader = aioload.DataLoader(
+def _restarting(dataset: Stuck, prefetch_factor: int = 2) -> aioload.DataLoader[Any]:
+    """Two thread workers, a stuck one abandoned after 0.5 s and replaced (once)."""
+    return aioload.DataLoader(
         dataset,
         batch_size=2,
         num_workers=2,
         worker_method="thread",
         timeout=0.5,
         max_worker_restarts=1,
+        prefetch_factor=prefetch_factor,
     )
+
+
+def test_a_stuck_thread_is_abandoned_and_replaced_exactly_once() -> None:
+    dataset = Stuck(16, stuck=5)
+    loader = _restarting(dataset)
     try:
         with pytest.warns(RuntimeWarning, match="abandoned"):
             got = [b.tolist() for b in loader]
@@ -199,15 +205,7 @@ def test_an_abandoned_thread_runs_none_of_the_batches_queued_for_it() -> None:
     # Its replacement takes over [4, 5] and the batches queued behind it. Unstuck while the
     # pass goes on, the abandoned thread finishes [4, 5] and must fetch nothing more.
     dataset = SlowStuck(48, stuck=4)
-    loader = aioload.DataLoader(
-        dataset,
-        batch_size=2,
-        num_workers=2,
-        worker_method="thread",
-        timeout=0.5,
-        max_worker_restarts=1,
-        prefetch_factor=4,
-    )
+    loader = _restarting(dataset, prefetch_factor=4)
     try:
         with pytest.warns(RuntimeWarning, match="abandoned"):
             got = []
