@@ -3,9 +3,9 @@ forked processes, each making batches (``dataset[i]`` for a batch's indices, the
 ``default_collate``) on its own share of the indices, and handing none of them over.
 
 :mod:`benchmarks.threads` runs it as the loaders ``bare-threads`` and ``bare-processes``: their
-ratio is the most that thread workers can deliver against worker processes on this interpreter
-and machine, whatever the loader does. On a standard (GIL) build, what a sample does while
-holding the GIL is done by one thread at a time; processes have no such limit.
+ratio is how threads compare with processes on this interpreter and machine before any
+loader's costs. On a standard (GIL) build, what a sample does while holding the GIL is done by
+one thread at a time; processes have no such limit.
 
 Each worker runs torch's ops on one intra-op thread, as the loader's workers do: a process with
 ``torch.set_num_threads(1)`` (as torch's workers), a thread with its own OpenMP limit (as

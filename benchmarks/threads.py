@@ -13,7 +13,7 @@ done beforehand; the workers' start and ``"auto"``'s trial included) and its pea
 (RSS would count the pages parent and workers share once per process). Runs alternate (every
 loader once per round, the order rotated each round) and the medians are reported. Two more
 "loaders", ``bare-threads`` and ``bare-processes``, make the same batches with no loader
-(:mod:`benchmarks.bare_workers`): the ceiling of threads against processes.
+(:mod:`benchmarks.bare_workers`): threads against processes before any loader's costs.
 
     python -m benchmarks.threads                # 3 rounds (about 4 minutes)
     python -m benchmarks.threads --quick        # a smoke run
@@ -241,7 +241,7 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def ceilings(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Per workload, plain threads over plain processes (no loader), items/s and peak memory:
-    the best that thread workers can do against processes here, whatever the loader does."""
+    how threads compare with processes here before any loader's costs."""
     by = {(r["workload"], r["loader"]): r for r in rows}
     out = {}
     for (workload, loader), p in by.items():
@@ -331,9 +331,9 @@ def section(result: dict[str, Any]) -> str:
             " included); memory"
             " is the peak of the summed PSS of the run's process and its workers. The"
             " no-loader rows make the same batches in plain threads, or in forked processes,"
-            " and hand none over (`benchmarks/bare_workers.py`): their ratio is the most that"
-            " thread workers can reach against processes on this interpreter, whatever the"
-            " loader does.",
+            " and hand none over (`benchmarks/bare_workers.py`): their ratio is how threads"
+            " compare with processes on this interpreter and machine before any loader's"
+            " costs.",
             "",
             table(result["rows"]),
             "",
