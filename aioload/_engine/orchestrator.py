@@ -188,8 +188,7 @@ class Orchestrator:
     # -- the one entry point -----------------------------------------------------------------
 
     def _over(self) -> bool:
-        """Whether the pass is over; raises if it cannot go on (a fatal error, or a second
-        consumer while one is waiting)."""
+        """Whether the pass is over; raises if it cannot go on (fatal error, second consumer)."""
         if self._busy:
             raise RuntimeError("aioload: this iterator is already waiting for a batch")
         if self._fatal is not None:
@@ -227,8 +226,7 @@ class Orchestrator:
                 for event in backend.poll():
                     if isinstance(event, Answer):
                         ledger.accept(event)
-                        if self._ahead.limit and ledger.head_late():
-                            self._ahead.answered(event.outcome)
+                        self._ahead.answered(event.outcome)
                     else:
                         self._lost(event)
             if stage is None:

@@ -143,10 +143,13 @@ class RunAhead:
         self.resize(self.capacity)
 
     def answered(self, outcome: Any) -> None:
-        """An answer that waits behind a late head: a batch larger than any seen shrinks the
-        limit at once. Batches that grow in the middle of a pass (sorted or bucketed by size)
-        would otherwise run ahead at the small ones' limit until the next survey, and the
-        answers waiting in order could fill several times the bound."""
+        """An answer just filed: if it waits behind a late head, a batch larger than any seen
+        shrinks the limit at once. Batches that grow in the middle of a pass (sorted or
+        bucketed by size) would otherwise run ahead at the small ones' limit until the next
+        survey, and the answers waiting in order could fill several times the bound. (Not
+        sized otherwise: a batch's walk costs the consumer's thread.)"""
+        if not self.limit or not self._ledger.head_late():
+            return
         size = batch_bytes(outcome)
         if size > self.batch_bytes:
             self.batch_bytes = size

@@ -311,9 +311,14 @@ def test_a_larger_batch_waiting_behind_a_late_head_shrinks_the_limit_at_once() -
     # Batches that grow in the middle of a pass (bucketed by size): the bound follows the
     # first large one that waits, not the next survey, 64 batches on.
     stats = PassStats(2, False, True)
-    ahead = RunAhead(None, stats, 4, enabled=True, max_memory=50_000)  # type: ignore[arg-type]
+    on_time = _LateHead()
+    on_time.head_late = lambda: False  # type: ignore[method-assign]
+    ahead = RunAhead(on_time, stats, 4, enabled=True, max_memory=50_000)  # type: ignore[arg-type]
     ahead.survey(torch.zeros(1000, dtype=torch.uint8), yielded=1)
     assert ahead.limit == 50 - (4 + 2)
+    ahead.answered(torch.zeros(5000, dtype=torch.uint8))
+    assert ahead.limit == 44, "an answer that waits behind no late head is not sized"
+    ahead._ledger = _LateHead()  # type: ignore[assignment]
     ahead.answered(torch.zeros(5000, dtype=torch.uint8))
     assert ahead.limit == 10 - (4 + 2) and stats.run_ahead_limit == 4
     ahead.answered(torch.zeros(10, dtype=torch.uint8))
