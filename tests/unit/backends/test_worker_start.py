@@ -490,4 +490,6 @@ def test_a_staggered_pool_closed_before_its_first_wait_leaves_nothing(no_leaks: 
     assert len(_workers._unforked_ends) == 2
     pool.close()
     assert not _workers._unforked_ends
-    assert len(os.listdir("/proc/self/fd")) <= before
+    # (Waited for, bounded: in a full run another test's leftover thread may hold a file
+    # open for a moment.)
+    assert wait_until(lambda: len(os.listdir("/proc/self/fd")) <= before, timeout=5)
