@@ -7,6 +7,7 @@ and reported with its figures in ``stats().as_dict()["tuning"]["worker_method"]`
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 import time
@@ -141,28 +142,18 @@ def _as_worker(spec: WorkerSpec, worker_id: int, drew_rng: threading.Event) -> N
     its ``id`` or draws from its ``rng``), with generators of the trial's own, seeded from
     ``_TRIAL_BASE_SEED``: the workers' real ones, seeded from the pass's base seed, are not
     drawn from. No ``worker_init_fn``: it runs once per worker, in the workers."""
-    from torch.utils.data._utils.worker import _generate_state
-
-    from .._worker.info import (
-        _set_thread_worker_info,
-        install_thread_hook,
-        make_rng,
-        thread_worker_info,
-    )
+    from .._worker.info import install_thread_hook, set_thread_worker_info
 
     install_thread_hook()
-    seed = _TRIAL_BASE_SEED + worker_id
-    rng = make_rng(seed, _generate_state(_TRIAL_BASE_SEED, worker_id))  # type: ignore[no-untyped-call]
-    info = thread_worker_info(
-        id=worker_id,
+    set_thread_worker_info(
+        _TRIAL_BASE_SEED,
+        worker_id,
+        functools.partial(_WatchedRng, used=drew_rng),
         num_workers=spec.num_workers,
-        seed=seed,
         dataset=spec.dataset,
         rank=spec.rank,
         world_size=spec.world_size,
-        rng=_WatchedRng(rng, drew_rng),
     )
-    _set_thread_worker_info(info)
 
 
 def _rate(spec: WorkerSpec, size: int, workers: int, drew_rng: threading.Event) -> float:

@@ -12,6 +12,7 @@ import dataclasses
 import random
 import sys
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -176,10 +177,24 @@ def reseed_rng(rng: Any, seed: int) -> None:
         numpy_gen.seed((seed ^ (seed >> 32)) & 0xFFFF_FFFF)
 
 
-def thread_worker_info(**fields: Any) -> WorkerInfo:
-    """A thread worker's WorkerInfo: ``worker_method="thread"`` and its ``rng``, as fields
-    where torch's WorkerInfo has them (2.12+), as attributes of the plain class before."""
-    return WorkerInfo(worker_method="thread", **fields)
+def set_thread_worker_info(
+    base_seed: int, wid: int, wrap_rng: Callable[[Any], Any] | None = None, **fields: Any
+) -> None:
+    """Make the calling thread thread worker ``wid``: its own WorkerInfo, with
+    ``worker_method="thread"``, torch's worker seed (``base_seed + wid``) and generators of its
+    own, seeded as torch seeds a process worker's globals (``rng``, wrapped by ``wrap_rng``
+    where given); nothing process-wide changes. ``fields``: WorkerInfo's others. ``rng`` and
+    ``worker_method`` are fields where torch's WorkerInfo has them (2.12+), attributes of the
+    plain class before."""
+    from torch.utils.data._utils.worker import _generate_state
+
+    seed = base_seed + wid
+    rng = make_rng(seed, _generate_state(base_seed, wid))  # type: ignore[no-untyped-call]
+    if wrap_rng is not None:
+        rng = wrap_rng(rng)
+    _set_thread_worker_info(
+        WorkerInfo(worker_method="thread", id=wid, seed=seed, rng=rng, **fields)
+    )
 
 
 def _torch_collate_code() -> Any:

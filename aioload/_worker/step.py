@@ -20,7 +20,6 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from torch._utils import ExceptionWrapper, KeyErrorMessage
-from torch.utils.data._utils.worker import _generate_state
 
 from .._wire import slabs as _transport
 from .._wire.messages import (
@@ -36,13 +35,7 @@ from ..errors import WorkerError
 from .async_detect import has_async_context, is_async_dataset
 from .datapipes import is_datapipe, reseed, shard_in_worker
 from .fetch import Fetcher, FetchSpec, SamplePolicy, is_stateful
-from .info import (
-    WorkerInfo,
-    _set_thread_worker_info,
-    _set_worker_info,
-    make_rng,
-    thread_worker_info,
-)
+from .info import WorkerInfo, _set_worker_info, set_thread_worker_info
 from .seeding import seed_worker
 
 if TYPE_CHECKING:
@@ -246,21 +239,16 @@ class WorkerStep:
     def _set_up_worker(self, wid: int, seed: int, init_fn: Any) -> None:
         """What a worker does before its first task (not the calling process)."""
         config = self.config
-        fields: dict[str, Any] = {
-            "id": wid,
+        place = {
             "num_workers": config.num_workers,
-            "seed": seed,
             "dataset": self.dataset,
             "rank": config.rank,
             "world_size": config.world_size,
         }
         if self.in_thread:
-            # This thread's own info, with generators of its own (seeded as torch seeds a
-            # process worker's globals); nothing process-wide changes.
-            rng = make_rng(seed, _generate_state(config.base_seed, wid))  # type: ignore[no-untyped-call]
-            _set_thread_worker_info(thread_worker_info(rng=rng, **fields))
+            set_thread_worker_info(config.base_seed, wid, **place)
         else:
-            _set_worker_info(WorkerInfo(**fields))
+            _set_worker_info(WorkerInfo(id=wid, seed=seed, **place))
         if is_datapipe(self.dataset):
             # As torch's workers do, before the user's worker_init_fn.
             shard_in_worker(self.dataset, config.num_workers, wid, config.world_size, config.rank)
