@@ -22,8 +22,9 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
+from .._named_tuple import NamedTuple
 from .._wire.messages import Event, PassPlan
 
 if TYPE_CHECKING:

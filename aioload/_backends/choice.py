@@ -7,8 +7,9 @@ choice carries (``BackendTraits``), the same ones the backend's class declares.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
+from .._named_tuple import NamedTuple
 from .base import (
     IN_PROCESS,
     OUT_OF_PROCESS,

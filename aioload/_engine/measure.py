@@ -130,17 +130,34 @@ def batch_bytes(batch: Any, depth: int = 0) -> int:
     element_size = getattr(batch, "element_size", None)
     if callable(element_size) and hasattr(batch, "nelement"):
         return int(element_size()) * int(batch.nelement())
-    if depth >= 4:
+    if depth >= _MAX_DEPTH:
         return 0
     if isinstance(batch, dict):
-        return sum(batch_bytes(v, depth + 1) for v in list(batch.values())[:256])
+        return _sampled_bytes(list(batch.values()), depth)
     if isinstance(batch, list | tuple):
         if batch and type(batch[0]) in _SCALARS and type(batch[-1]) in _SCALARS:
             # A collated list of strings or numbers (a text batch's): no tensors in it, and
             # walking a few hundred of them costs the consumer's thread 150 us.
             return 0
-        return sum(batch_bytes(v, depth + 1) for v in batch[:256])
+        return _sampled_bytes(batch, depth)
     return 0
+
+
+def _sampled_bytes(items: list[Any] | tuple[Any, ...], depth: int) -> int:
+    """The bytes of a container's items: all of them up to ``_SAMPLED`` items, else that many
+    spread over it, scaled up to the whole (a batch kept as a list of a thousand tensors
+    counts as a thousand, not as its first few hundred)."""
+    count = len(items)
+    if count <= _SAMPLED:
+        return sum(batch_bytes(v, depth + 1) for v in items)
+    sample = items[:: count // _SAMPLED][:_SAMPLED]
+    return sum(batch_bytes(v, depth + 1) for v in sample) * count // len(sample)
+
+
+# How many items of a container are measured, and how deep containers are walked: a batch's
+# size is read at each answer that waits behind a late head, in the consumer's thread.
+_SAMPLED = 256
+_MAX_DEPTH = 8
 
 
 # What a collated batch holds in plain lists (default_collate keeps strings and bytes as lists).

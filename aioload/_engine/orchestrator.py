@@ -282,7 +282,7 @@ class Orchestrator:
                 await self._start()
             finally:
                 self._busy = False
-            if self._closed:
+            if self._over():  # (closed while it started: by a newer pass, raising)
                 return END
         self._begin_next()
         while (result := self._advance()) is _WAIT:
@@ -312,7 +312,7 @@ class Orchestrator:
         if self._backend is _NOT_STARTED:
             # In the calling thread, whatever it costs: the sync front end has no loop to run.
             self._adopt(self._make_owned_backend())
-            if self._closed:
+            if self._over():  # (as in ``next``)
                 return END
         self._begin_next()
         while (result := self._advance()) is _WAIT:

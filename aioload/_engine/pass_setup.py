@@ -13,8 +13,9 @@ import contextlib
 import os
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
+from .._named_tuple import NamedTuple
 from ..errors import DataLoaderTimeoutError
 from .hang import NO_HANG_REPORT, HangWatch
 

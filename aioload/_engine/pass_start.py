@@ -28,10 +28,11 @@ import copy
 import enum
 import itertools
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
+from .._named_tuple import NamedTuple
 from .._wire.messages import PassPlan
 from .._worker.fetch import is_stateful
 from .resume import (

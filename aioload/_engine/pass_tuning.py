@@ -9,8 +9,9 @@ from __future__ import annotations
 import math
 import numbers
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
+from .._named_tuple import NamedTuple
 from .measure import IdleCpus, affinity, batch_bytes, rss_bytes, usable_cores
 from .tuning import (
     AUTO,

@@ -18,14 +18,16 @@ and the backend is chosen (fresh or kept).
 from __future__ import annotations
 
 import copy
+import threading
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._backends.base import BackendKeeper
 from .._backends.choice import BackendChoice, choose_backend
+from .._named_tuple import NamedTuple
 from .._worker.datapipes import SharedSeeds, is_datapipe, is_iter_datapipe, reseed, shard_in_process
 from .counters import PassStats
 from .orchestrator import Orchestrator, PassSetup, track_pass
@@ -100,6 +102,11 @@ class PassPlanner:
         self.shared_seeds = SharedSeeds()
         # worker_method="auto"'s trial, run once (its report, with the choice as "value").
         self.method_choice: dict[str, Any] | None = None
+        # One pass starts at a time. Two threads that call iter() on one loader at once
+        # would both find no pass on the kept workers (each becomes the current one only at
+        # its end), and then both run on them: the one whose task generation is older saw
+        # its epoch end empty, quietly. In turn, the later one supersedes the earlier.
+        self._starting = threading.Lock()
 
     # -- epochs and checkpoints ----------------------------------------------------------------
 
@@ -214,6 +221,12 @@ class PassPlanner:
         """One pass: its plan, its backend (made on its first next()), and its engine.
         ``arguments.num_workers`` is this pass's count when it returns (``"auto"`` may choose
         it per pass)."""
+        with self._starting:
+            return self._start_pass(arguments, transfer, async_for)
+
+    def _start_pass(
+        self, arguments: PassArguments, transfer: Transfer | None, async_for: bool
+    ) -> Orchestrator:
         setup, backend = self._plan(arguments, transfer, async_for)
         stats = self.stats = PassStats(
             max(1, arguments.num_workers),

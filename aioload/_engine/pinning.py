@@ -28,12 +28,13 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.utils.data
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
+from .._named_tuple import NamedTuple
 from .._wire.messages import Batch, Outcome, Raised
 from .counters import PassStats
 

@@ -34,11 +34,12 @@ import base64
 import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import BatchSampler, SequentialSampler
 
+from .._named_tuple import NamedTuple
 from .._wire.messages import IndexRange, StreamState
 from .._worker.fetch import is_stateful
 from .samplers import is_replayed

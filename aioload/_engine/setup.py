@@ -16,16 +16,17 @@ import numbers
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed
 import torch.utils.data
-from torch.utils.data import DistributedSampler, IterableDataset
+from torch.utils.data import BatchSampler, DistributedSampler, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
 from .._backends.base import WorkerSpec
 from .._backends.choice import WorkerFactory
+from .._named_tuple import NamedTuple
 from .._worker.async_detect import is_async_dataset
 from .._worker.datapipes import is_datapipe
 from .._worker.fetch import SamplePolicy, is_stateful
@@ -632,8 +633,23 @@ def fit_state(loader: PassArguments, parsed: ParsedState) -> None:
 
 
 def pass_length(loader: PassArguments) -> int | None:
-    """How many batches a map-style pass has (None: the sampler has no length)."""
+    """How many batches a map-style pass has, where its sampler says so and can be trusted to
+    (None: the sampler has no length, or it is the user's own). torch lets a sampler's
+    ``__len__`` be an estimate (a bucketing sampler's often is) and iterates past it; a state
+    taken past that length must still load, so only torch's own samplers bound it."""
+    sampler = loader.index_sampler
+    if not _exact_length(sampler):
+        return None
     try:
-        return len(loader.index_sampler)
+        return len(sampler)
     except (TypeError, NotImplementedError):
         return None
+
+
+def _exact_length(sampler: Any) -> bool:
+    # torch's samplers (and aioload's, in their place) count exactly what they yield; a
+    # BatchSampler's count is its sampler's.
+    if not type(sampler).__module__.startswith(("torch.utils.data", "aioload.")):
+        return False
+    inner = getattr(sampler, "sampler", None) if isinstance(sampler, BatchSampler) else None
+    return inner is None or _exact_length(inner)

@@ -16,10 +16,11 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
+from .._named_tuple import NamedTuple
 from ..stats import SkippedSample
 from .resume import (
     FORMATS,

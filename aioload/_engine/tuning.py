@@ -43,7 +43,9 @@ How the controller decides (docs/tuning.md says the same for users):
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
+
+from .._named_tuple import NamedTuple
 
 __all__ = [
     "AUTO",

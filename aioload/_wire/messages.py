@@ -21,7 +21,9 @@ are shared by every backend's worker, so a local process and a Ray actor answer 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
+
+from .._named_tuple import NamedTuple
 
 __all__ = [
     "AllSkipped",

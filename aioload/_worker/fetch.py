@@ -34,11 +34,12 @@ import random
 import struct
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from .._named_tuple import NamedTuple
 from .._wire import slabs as _transport
 from .._wire.messages import AllSkipped, Batch, IndexRange, PassPlan, StreamState
 from . import stacking as _stacking

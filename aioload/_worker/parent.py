@@ -30,7 +30,9 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import Any
+
+from .._named_tuple import NamedTuple
 
 __all__ = ["ParentWatch", "watch_parent"]
 

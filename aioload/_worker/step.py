@@ -17,10 +17,11 @@ import sys
 import time
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal
 
 from torch._utils import ExceptionWrapper, KeyErrorMessage
 
+from .._named_tuple import NamedTuple
 from .._wire import slabs as _transport
 from .._wire.messages import (
     Failure,

@@ -185,3 +185,34 @@ def test_a_state_after_the_last_batch_still_loads() -> None:
     resumed.load_state_dict(state)
     assert list(resumed) == []
     assert torch.cat(list(resumed)).tolist() == list(range(N))
+
+
+class _EstimatedLength(torch.utils.data.Sampler[int]):
+    """A user's sampler whose ``__len__`` is an estimate, short of what it yields (as a
+    bucketing sampler's often is): torch iterates past it."""
+
+    def __iter__(self) -> Any:
+        return iter(range(40))
+
+    def __len__(self) -> int:
+        return 10
+
+
+def test_a_state_past_a_users_estimated_length_loads_and_resumes_exactly() -> None:
+    """Only torch's own samplers bound a state's positions: a user's ``__len__`` may be an
+    estimate, and a state taken past it is a real one."""
+
+    def make() -> aioload.DataLoader[Any]:
+        return aioload.DataLoader(
+            list(range(40)), sampler=_EstimatedLength(), batch_size=2, num_workers=2
+        )
+
+    loader = make()
+    iterator = iter(loader)
+    taken = [next(iterator).tolist() for _ in range(12)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    del iterator
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = [batch.tolist() for batch in resumed]
+    assert [x for batch in taken + rest for x in batch] == list(range(40))

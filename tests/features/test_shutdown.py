@@ -668,6 +668,50 @@ def test_a_newer_pass_on_persistent_workers_ends_the_older_one_with_an_error(
     loader.shutdown()
 
 
+@pytest.mark.timeout(60)
+def test_two_threads_starting_passes_at_once_on_persistent_workers(
+    monkeypatch: pytest.MonkeyPatch, no_leaks: None
+) -> None:
+    """Two threads that call iter() on one loader with persistent workers at the same moment:
+    one pass supersedes the other, which raises. Neither may end its epoch quietly short (both
+    used to find no pass on the kept workers, and both ran on them)."""
+    from aioload._engine.passes import PassPlanner
+
+    plan = PassPlanner._plan
+
+    def slow_plan(self: Any, *args: Any) -> Any:
+        planned = plan(self, *args)
+        time.sleep(0.2)  # (the other thread's iter() comes now)
+        return planned
+
+    monkeypatch.setattr(PassPlanner, "_plan", slow_plan)
+    loader = aioload.DataLoader(Squares(20), batch_size=2, num_workers=2, persistent_workers=True)
+    outcomes: dict[str, Any] = {}
+    start = threading.Barrier(2)
+
+    def consume(name: str) -> None:
+        taken = 0
+        start.wait()
+        try:
+            for _batch in loader:
+                taken += 1
+            outcomes[name] = taken
+        except RuntimeError as error:
+            outcomes[name] = error
+
+    threads = [threading.Thread(target=consume, args=(name,)) for name in "ab"]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(within(30))
+    assert not any(thread.is_alive() for thread in threads)
+    finished = [v for v in outcomes.values() if not isinstance(v, BaseException)]
+    superseded = [v for v in outcomes.values() if isinstance(v, BaseException)]
+    assert finished == [10], outcomes
+    assert len(superseded) == 1 and "a newer pass" in str(superseded[0]), outcomes
+    loader.shutdown()
+
+
 @pytest.mark.parametrize("api", APIS)
 def test_persistent_workers_after_a_break(api: str, no_leaks: None) -> None:
     loader = aioload.DataLoader(Pids(40), batch_size=1, num_workers=2, persistent_workers=True)

@@ -374,6 +374,21 @@ def test_batch_bytes_is_an_estimate_that_never_raises() -> None:
     assert batch_bytes(("a", torch.zeros(4), torch.zeros(4))) == 32
 
 
+def test_batch_bytes_counts_a_long_list_and_a_deep_one_whole() -> None:
+    """A batch kept as a list of more tensors than are measured counts them all (the sample
+    is scaled up), and one nested a few levels deep still counts: either, undercounted, would
+    let the run-ahead past ``max_memory``."""
+    from aioload._engine.measure import batch_bytes
+
+    assert batch_bytes([torch.zeros(128, dtype=torch.float64)] * 1024) == 1024 * 1024
+    assert batch_bytes({str(k): torch.zeros(2) for k in range(1000)}) == 8000
+    assert batch_bytes([[torch.zeros(1)] * 3] * 300) == 300 * 3 * 4
+    deep: object = torch.zeros(16)
+    for _ in range(6):
+        deep = [deep]
+    assert batch_bytes(deep) == 64
+
+
 def test_a_head_worker_slow_for_good_is_not_run_ahead_of() -> None:
     # Round robin runs at the pace of a worker several times slower than the others: running
     # ahead of it would only fill memory and wake the consumer. A slow sample now and then is
