@@ -51,10 +51,12 @@ def choose_backend(
     base_seed: int | None,
     workers: WorkerFactory | None,
     async_for: bool,
+    choose_method: Callable[[WorkerSpec], str] | None = None,
 ) -> BackendChoice:
     """``num_workers=0``: the calling process. Otherwise local worker processes (threads with
     ``worker_method="thread"``), or what ``workers`` makes (``RayWorkers(...)``: Ray actors); kept between passes by ``keeper`` when
-    ``persistent_workers`` is set."""
+    ``persistent_workers`` is set. ``choose_method``: ``worker_method="auto"`` not decided yet,
+    decided by it when the workers are made (until then, the traits of a slow start)."""
     if spec.num_workers == 0:
 
         def make_inline() -> WorkerBackend:
@@ -66,16 +68,19 @@ def choose_backend(
         return BackendChoice(make_inline, IN_PROCESS, owned=True)
 
     def make_workers(seed: int) -> WorkerBackend:
+        chosen = spec
+        if choose_method is not None:
+            chosen = spec._replace(worker_method=choose_method(spec))
         if workers is not None:
-            return workers.make_backend(spec, seed)
-        if spec.worker_method == "thread":
+            return workers.make_backend(chosen, seed)
+        if chosen.worker_method == "thread":
             from .thread import ThreadBackend
 
-            return ThreadBackend(spec, seed)
+            return ThreadBackend(chosen, seed)
         from .process import WorkerPool
 
         # Worker 0 forked now, the others at the engine's waits (see WorkerPool._start).
-        return WorkerPool(spec, seed, stagger=True)
+        return WorkerPool(chosen, seed, stagger=True)
 
     make, owned = keeper.for_pass(make_workers, base_seed, spec.num_workers)
     traits = OUT_OF_PROCESS

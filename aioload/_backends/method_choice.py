@@ -1,18 +1,37 @@
 """``worker_method="auto"``: threads or processes, chosen by measurement.
 
-Decided once per loader, before its first pass with workers (``_engine.setup.auto_worker_method``),
-and reported with its figures in ``stats().as_dict()["tuning"]["worker_method"]``.
+Decided once per loader, when its first pass with workers starts them
+(``_engine.setup.auto_worker_method``; under ``async for``, in a thread, off the loop), and
+reported with its figures in ``stats().as_dict()["tuning"]["worker_method"]``.
+
+NOTE [ the trial in a copy ]
+The trial runs the user's dataset in threads that look like worker threads, and it runs in a
+forked copy of this process, which reports its figures through a pipe and ends. In the calling
+process, the trial's threads left their marks on the one dataset object the workers then get:
+what a sample opens per worker (a connection in a dict keyed by ``get_worker_info().id``, made
+in a trial thread and bound to it) reached the real worker threads, or was copied into the
+forked worker processes; and a sample still running when the trial gave up on it kept running,
+holding whatever lock it held while the worker processes were forked, so that they inherited
+it locked and hung. In the copy, all of it ends with the copy (the trial's figures are the
+same: it runs on the same pages). It also sees whether a sample drew from the process-wide
+generators, without restoring them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import gc
+import json
+import os
+import select
+import signal
 import sys
 import threading
 import time
 from typing import Any
 
+from .._named_tuple import NamedTuple
 from .base import WorkerSpec
 
 __all__ = ["choose_worker_method"]
@@ -31,6 +50,9 @@ _PROCESS_OVERHEAD_PER_SAMPLE_S = 1.5e-6
 # to deliver: within the estimate's error, threads are the cheaper (no copy of the dataset per
 # worker, no /dev/shm, a faster first batch).
 _THREADS_AT_LEAST = 0.9
+# The most the trial may take, in all, before its copy is stopped and processes are chosen
+# (each half's threads are given _TRIAL_S * 20 to finish their sample: see _rates).
+_TRIAL_DEADLINE_S = 10.0
 # The trial threads' generators (``get_worker_info().rng``) are seeded from this, not from the
 # pass's base seed, which is not drawn yet (drawing it would move torch's generator).
 _TRIAL_BASE_SEED = 0
@@ -68,11 +90,14 @@ def choose_worker_method(spec: WorkerSpec, cores: int) -> dict[str, Any]:
         untried = "one usable core: threads cannot run in parallel"
     if untried is not None:
         return {**choice, "value": "multiprocessing", "reason": untried}
-    drew_rng = threading.Event()
+    if not hasattr(os, "fork"):
+        return {**choice, "value": "multiprocessing", "reason": "no fork() to try threads in"}
     try:
-        one, many = _trial(spec, workers, drew_rng)
+        trial = _isolated_trial(spec, workers)
     except Exception as error:
-        return {**choice, "value": "multiprocessing", "reason": f"the trial failed: {error!r}"}
+        failure = str(error) if isinstance(error, _TrialFailed) else repr(error)
+        return {**choice, "value": "multiprocessing", "reason": f"the trial failed: {failure}"}
+    one, many = trial.one, trial.many
     processes = _processes_estimate(one, workers)
     threads = many >= _THREADS_AT_LEAST * processes
     reason = (
@@ -80,11 +105,20 @@ def choose_worker_method(spec: WorkerSpec, cores: int) -> dict[str, Any]:
         f"{'at least' if threads else 'under'} {_THREADS_AT_LEAST:g}x the "
         f"{processes:.0f} estimated for {workers} processes"
     )
-    if drew_rng.is_set():
+    if trial.drew_rng:
         # Written for thread workers: a worker process's get_worker_info().rng is None, as
         # torch's is, and every sample would fail there.
         threads = True
         reason = "the dataset uses get_worker_info().rng, which thread workers alone have"
+    elif trial.drew_globals and threads:
+        # Each worker process seeds its own global generators (and seed_per_sample reseeds
+        # them per sample): its draws are reproducible. Threads share one set, drawn from in
+        # whatever order they run; "auto" does not trade that away for speed.
+        threads = False
+        reason = (
+            f"{reason}; but the dataset draws from the process-wide generators (random, "
+            "numpy's, torch's), which threads share: processes keep its draws reproducible"
+        )
     return {
         **choice,
         "value": "thread" if threads else "multiprocessing",
@@ -103,22 +137,79 @@ def _processes_estimate(one: float, workers: int) -> float:
     return workers / (1.0 / one + _PROCESS_OVERHEAD_PER_SAMPLE_S)
 
 
-def _trial(spec: WorkerSpec, workers: int, drew_rng: threading.Event) -> tuple[float, float]:
-    """Samples per second of one thread, then of ``workers`` threads at once, each fetching
-    for ``_TRIAL_S`` (map-style: indices from 0 on, wrapping round); ``drew_rng`` is set if a
-    sample used its ``get_worker_info().rng``."""
+class _TrialFailed(Exception):
+    """The trial raised, in its copy: the error's ``repr`` is this one's message."""
+
+
+class _Trial(NamedTuple):
+    """What the trial measured (samples per second, one thread and ``workers`` at once), and
+    what the dataset drew from: its ``get_worker_info().rng``, the process-wide generators."""
+
+    one: float
+    many: float
+    drew_rng: bool
+    drew_globals: bool
+
+
+def _isolated_trial(spec: WorkerSpec, workers: int) -> _Trial:
+    """The trial, run in a forked copy of this process (NOTE [ the trial in a copy ]); raises
+    what it raised there (as a ``RuntimeError`` naming it), or ``TimeoutError``."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # (the copy: it reports, and ends without running anything of the parent's)
+        try:
+            os.close(read_end)
+            gc.freeze()  # (a collection would write to every page shared with the parent)
+            try:
+                report = json.dumps(_trial(spec, workers)._asdict())
+            except BaseException as error:
+                report = json.dumps({"error": repr(error)})
+            with os.fdopen(write_end, "w") as out:
+                out.write(report)
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        report_text = _read_report(read_end, time.monotonic() + _TRIAL_DEADLINE_S)
+    finally:
+        os.close(read_end)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # (gone by now, unless it overran the deadline)
+        os.waitpid(pid, 0)
+    if report_text is None:
+        raise TimeoutError(f"the trial took over {_TRIAL_DEADLINE_S:g} s")
+    report = json.loads(report_text)
+    if "error" in report:
+        raise _TrialFailed(report["error"])
+    return _Trial(**report)
+
+
+def _read_report(fd: int, deadline: float) -> str | None:
+    """All the copy writes before it ends, or None at ``deadline``."""
+    chunks: list[bytes] = []
+    while (left := deadline - time.monotonic()) > 0:
+        readable, _, _ = select.select([fd], [], [], left)
+        if not readable:
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return b"".join(chunks).decode()
+        chunks.append(chunk)
+    return None
+
+
+def _trial(spec: WorkerSpec, workers: int) -> _Trial:
+    """Samples per second of one thread, then of ``workers`` threads at once (map-style:
+    indices from 0 on, wrapping round), and what the samples drew from."""
     from .._worker.fetch import RngStates
 
     size = len(spec.dataset)
     if size == 0:
         raise ValueError("an empty dataset")
-    saved = RngStates()
-    try:
-        one = _rate(spec, size, 1, drew_rng)
-        many = _rate(spec, size, workers, drew_rng)
-    finally:
-        saved.install()
-    return one, many
+    drew_rng = threading.Event()
+    before = RngStates()
+    one, many = _rates(spec, size, workers, drew_rng)
+    return _Trial(one, many, drew_rng.is_set(), not before.same_as(RngStates()))
 
 
 class _WatchedRng:
@@ -156,45 +247,55 @@ def _as_worker(spec: WorkerSpec, worker_id: int, drew_rng: threading.Event) -> N
     )
 
 
-def _rate(spec: WorkerSpec, size: int, workers: int, drew_rng: threading.Event) -> float:
+def _rates(
+    spec: WorkerSpec, size: int, workers: int, drew_rng: threading.Event
+) -> tuple[float, float]:
+    """Samples per second of one thread, then of ``workers`` threads at once, each half
+    fetching for ``_TRIAL_S``. The one thread is the first of the ``workers``, as a worker
+    thread serves pass after pass: what a sample keeps per worker thread (a connection bound
+    to the thread that opened it) is found again by the same thread."""
     from .._worker.info import _set_thread_worker_info
 
     dataset = spec.dataset
-    counts = [0] * workers
+    counts = [[0] * workers, [0] * workers]
     errors: list[BaseException] = []
-    start = threading.Barrier(workers + 1)
+    halves = threading.Barrier(workers + 1)  # (each half starts, and ends, for all at once)
 
     def fetch(k: int) -> None:
         try:
             _as_worker(spec, k, drew_rng)
-            start.wait()
-            deadline = time.perf_counter() + _TRIAL_S
-            index = k
-            while counts[k] < _TRIAL_MAX_SAMPLES and time.perf_counter() < deadline:
-                dataset[index % size]
-                counts[k] += 1
-                index += workers
+            for half, fetching in enumerate((k == 0, True)):
+                halves.wait()
+                step = workers if half else 1
+                deadline = time.perf_counter() + _TRIAL_S
+                index = k
+                while fetching and counts[half][k] < _TRIAL_MAX_SAMPLES:
+                    dataset[index % size]
+                    counts[half][k] += 1
+                    index += step
+                    fetching = time.perf_counter() < deadline
+                halves.wait()
+        except threading.BrokenBarrierError:
+            pass  # (the trial gave up: the caller says why)
         except BaseException as error:  # (reported to the caller)
             errors.append(error)
-            start.abort()  # (the caller's wait ends, and so do the other threads')
+            halves.abort()  # (the caller's wait ends, and so do the other threads')
         finally:
             _set_thread_worker_info(None)
 
-    threads = [
-        threading.Thread(target=fetch, args=(k,), name="aioload-trial", daemon=True)
-        for k in range(workers)
-    ]
-    for thread in threads:
-        thread.start()
-    began = time.perf_counter()
-    with contextlib.suppress(threading.BrokenBarrierError):
-        start.wait()
-    for thread in threads:
-        # (Bounded: a sample that hangs here leaves the choice to processes.)
-        thread.join(_TRIAL_S * 20)
-    took = time.perf_counter() - began
-    if errors:
-        raise errors[0]
-    if any(thread.is_alive() for thread in threads):
-        raise TimeoutError("a sample took too long")
-    return sum(counts) / took if took > 0 else 0.0
+    for k in range(workers):
+        threading.Thread(target=fetch, args=(k,), name="aioload-trial", daemon=True).start()
+    rates = []
+    for half in (0, 1):
+        try:
+            # (Bounded: a sample that hangs here leaves the choice to processes.)
+            halves.wait(_TRIAL_S * 20)
+            began = time.perf_counter()
+            halves.wait(_TRIAL_S * 20)
+        except threading.BrokenBarrierError:
+            if errors:
+                raise errors[0] from None
+            raise TimeoutError("a sample took too long") from None
+        took = time.perf_counter() - began
+        rates.append(sum(counts[half]) / took if took > 0 else 0.0)
+    return rates[0], rates[1]

@@ -222,6 +222,7 @@ class _ThreadWorker:
                     step.generation = message.generation
                     if step.iterable:
                         loop.run_until_complete(step.start_async_stream(message.plan))
+                        _refuse_shared_iterator(step)
                     else:
                         step.new_async_pass(message.plan)
             elif isinstance(message, SetConcurrency):
@@ -324,20 +325,22 @@ def _by_reference(result: Produced) -> Any:
 
 
 def _refuse_shared_iterator(step: WorkerStep) -> None:
-    """An IterableDataset that is its own iterator (``__iter__`` returns ``self``) has one
-    stream, which every thread worker would draw from at once: each worker's stream is its
-    own only where ``iter(dataset)`` makes a new iterator. This pass fails with a message
-    that says so (a process worker has a copy of the dataset, so it never meets this)."""
+    """An IterableDataset that is its own iterator (``__iter__``, or an async one's
+    ``__aiter__``, returns ``self``) has one stream, which every thread worker would draw from
+    at once: each worker's stream is its own only where ``iter(dataset)`` makes a new
+    iterator. This pass fails with a message that says so (a process worker has a copy of
+    the dataset, so it never meets this)."""
     fetcher = step.fetcher
     if not (step.iterable and step.config.num_workers > 1 and fetcher is not None):
         return
     if getattr(fetcher, "stream", None) is not step.dataset:
         return
+    method = "__aiter__" if step.is_async else "__iter__"
     try:
         raise TypeError(
-            f"aioload: {type(step.dataset).__name__}.__iter__ returns the dataset itself, so "
+            f"aioload: {type(step.dataset).__name__}.{method} returns the dataset itself, so "
             f"its {step.config.num_workers} thread workers (worker_method='thread') would share "
-            "one stream; make __iter__ return a new iterator, or use worker_method="
+            f"one stream; make {method} return a new iterator, or use worker_method="
             "'multiprocessing' (each process has its own copy)"
         )
     except TypeError:

@@ -333,7 +333,7 @@ class PassStats:
     def _tuning_report(self) -> dict[str, Any] | None:
         """The "auto" controller's report, with worker_method="auto"'s choice beside it."""
         report = self.tuning.report() if self.tuning is not None else None
-        if self.method_choice is not None:
+        if self.method_choice:  # (empty until "auto"'s trial has chosen)
             report = {**(report or {}), "worker_method": dict(self.method_choice)}
         return report
 

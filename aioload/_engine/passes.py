@@ -18,14 +18,16 @@ and the backend is chosen (fresh or kept).
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._backends.base import BackendKeeper
+from .._backends.base import BackendKeeper, WorkerSpec
 from .._backends.choice import BackendChoice, choose_backend
 from .._named_tuple import NamedTuple
 from .._worker.datapipes import SharedSeeds, is_datapipe, is_iter_datapipe, reseed, shard_in_process
@@ -350,18 +352,31 @@ class PassPlanner:
     ) -> BackendChoice:
         """The pass's backend: what its workers run, and on which (fresh or kept) workers."""
         spec = worker_spec(arguments)
+        choose_method: Callable[[WorkerSpec], str] | None = None
         if spec.worker_method == "auto":
-            # Chosen once, before the loader's first pass with workers, and kept.
-            method = "multiprocessing"  # (the calling process: no workers to choose for)
-            if arguments.num_workers > 0:
-                if self.method_choice is None:
-                    self.method_choice = auto_worker_method(spec)
-                method = str(self.method_choice["value"])
-            spec = spec._replace(worker_method=method)
+            # Chosen once, when the loader's first pass with workers makes them (in a thread
+            # under `async for`: the trial takes a fraction of a second, which the loop must
+            # not wait out), and kept. Until then the report is an empty dict, which stats()
+            # leaves out.
+            if arguments.num_workers == 0:  # (the calling process: no workers to choose for)
+                spec = spec._replace(worker_method="multiprocessing")
+            elif self.method_choice:
+                spec = spec._replace(worker_method=str(self.method_choice["value"]))
+            else:
+                self.method_choice = choice = self.method_choice or {}
+                choose_method = functools.partial(_decide_method, choice)
         return choose_backend(
             spec,
             keeper=self.workers,
             base_seed=base_seed,
             workers=arguments.workers,
             async_for=async_for,
+            choose_method=choose_method,
         )
+
+
+def _decide_method(choice: dict[str, Any], spec: WorkerSpec) -> str:
+    """worker_method="auto": the trial's choice, made once (the report filled in place)."""
+    if not choice:
+        choice.update(auto_worker_method(spec))
+    return str(choice["value"])

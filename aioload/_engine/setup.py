@@ -257,7 +257,10 @@ def check_worker_method(
             "and reseeds its own copy of the pipe, and thread workers share one; use "
             "worker_method='multiprocessing'"
         )
-    if worker_method != "multiprocessing" and seed_per_sample:
+    # ("auto" needs no warning: a dataset that draws from the global generators gets
+    # processes, one that draws from its worker's rng threads, and either way each sample is
+    # seeded as documented.)
+    if worker_method == "thread" and seed_per_sample:
         warnings.warn(
             f"aioload: with worker_method={worker_method!r}, thread workers share the "
             "process-wide random, numpy and torch generators, so seed_per_sample seeds each "

@@ -278,6 +278,18 @@ class RngStates:
         torch.set_rng_state(self.torch)
         np.random.set_state(self.numpy)
 
+    def same_as(self, other: RngStates) -> bool:
+        """Whether ``other`` holds the same states (nothing was drawn in between)."""
+        mine: Any = self.numpy  # (a tuple: the legacy form np.random.get_state() returns)
+        theirs: Any = other.numpy
+        return (
+            self.python == other.python
+            and torch.equal(self.torch, other.torch)
+            and mine[0] == theirs[0]
+            and bool((mine[1] == theirs[1]).all())
+            and tuple(mine[2:]) == tuple(theirs[2:])
+        )
+
 
 class FetchSpec(NamedTuple):
     """What every fetcher of one worker is made from, pass after pass: the dataset and how its

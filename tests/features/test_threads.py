@@ -5,6 +5,7 @@ promise, and checkpoints that move between worker methods."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import threading
@@ -369,6 +370,33 @@ def test_an_iterable_that_is_its_own_iterator_is_refused_with_several_threads() 
     loader = aioload.DataLoader(OwnIterator(), num_workers=2, worker_method="thread")
     with pytest.raises(TypeError, match="returns the dataset itself"):
         list(loader)
+
+
+class OwnAsyncIterator(aioload.AsyncIterableDataset[int]):
+    def __init__(self) -> None:
+        self.next = 0
+
+    def __aiter__(self) -> OwnAsyncIterator:
+        self.next = 0
+        return self
+
+    async def __anext__(self) -> int:
+        value = self.next
+        await asyncio.sleep(0)
+        if value >= 20:
+            raise StopAsyncIteration
+        self.next = value + 1
+        return value
+
+
+def test_an_async_iterable_that_is_its_own_iterator_is_refused_with_several_threads() -> None:
+    """As the sync one: the threads would draw from one stream, from loops of their own (it
+    gave some samples twice and lost others)."""
+    loader = aioload.DataLoader(OwnAsyncIterator(), num_workers=2, worker_method="thread")
+    with pytest.raises(TypeError, match=r"__aiter__ returns the dataset itself"):
+        list(loader)
+    one = aioload.DataLoader(OwnAsyncIterator(), num_workers=1, worker_method="thread")
+    assert [int(b) for b in one] == list(range(20))
 
 
 class Streams(IterableDataset[int]):

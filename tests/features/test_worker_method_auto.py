@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 import sys
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -56,9 +58,7 @@ def test_auto_chooses_by_the_trial_and_reports_it(
     from aioload._backends import method_choice as thread_backend
     from aioload._engine import setup
 
-    monkeypatch.setattr(
-        thread_backend, "_rate", lambda spec, size, workers, drew_rng: rates[workers > 1]
-    )
+    monkeypatch.setattr(thread_backend, "_rates", lambda spec, size, workers, drew_rng: rates)
     monkeypatch.setattr(setup, "usable_cores", lambda: 2)
     loader = aioload.DataLoader(Tensors(), batch_size=2, num_workers=2, worker_method="auto")
     assert [int(b[0, 0]) for b in loader] == [0, 2, 4, 6]
@@ -67,7 +67,7 @@ def test_auto_chooses_by_the_trial_and_reports_it(
     assert choice["samples_per_s_one_thread"] == 100.0
     assert choice["samples_per_s_2_threads"] == rates[1]
     # Chosen once: the next pass neither tries again nor changes its mind.
-    monkeypatch.setattr(thread_backend, "_rate", lambda *args: pytest.fail("tried again"))
+    monkeypatch.setattr(thread_backend, "_rates", lambda *args: pytest.fail("tried again"))
     assert [int(b[0, 0]) for b in loader] == [0, 2, 4, 6]
     assert loader.stats().as_dict()["tuning"]["worker_method"] == choice
 
@@ -175,12 +175,134 @@ def test_auto_weighs_threads_against_the_processes_estimate(
     from aioload._backends import method_choice
     from aioload._backends.base import WorkerSpec
 
-    monkeypatch.setattr(
-        method_choice, "_rate", lambda spec, size, workers, drew_rng: rates[workers > 1]
-    )
+    monkeypatch.setattr(method_choice, "_rates", lambda spec, size, workers, drew_rng: rates)
     spec = WorkerSpec(Tensors(), 0, True, None, False, None, 2, 2, None, False)
     choice = method_choice.choose_worker_method(spec, cores=2)
     assert choice["value"] == chosen, choice["reason"]
     estimate = choice["samples_per_s_2_processes_estimated"]
     assert estimate == round(2 / (1 / rates[0] + method_choice._PROCESS_OVERHEAD_PER_SAMPLE_S), 1)
     assert (rates[1] >= 0.9 * estimate) == (chosen == "thread")
+
+
+def test_a_dataset_that_draws_from_the_global_generators_keeps_processes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Threads would share the global generators, drawn from in whatever order they run: even
+    where threads are faster, "auto" keeps processes, whose draws are reproducible."""
+    from aioload._backends import method_choice
+    from aioload._backends.base import WorkerSpec
+
+    def rates(spec: Any, size: int, workers: int, drew_rng: Any) -> tuple[float, float]:
+        spec.dataset[0]  # (draws, as the real trial's samples would)
+        return 100.0, 195.0
+
+    monkeypatch.setattr(method_choice, "_rates", rates)
+    spec = WorkerSpec(Drawing(), 0, True, None, False, None, 2, 2, None, False)
+    choice = method_choice.choose_worker_method(spec, cores=2)
+    assert choice["value"] == "multiprocessing", choice
+    assert "process-wide generators" in choice["reason"]
+    spec = WorkerSpec(Tensors(), 0, True, None, False, None, 2, 2, None, False)
+    assert method_choice.choose_worker_method(spec, cores=2)["value"] == "thread"
+
+
+class ThreadBound(Dataset[int]):
+    """Opens a resource per worker id, bound to the thread that opened it (as a sqlite
+    connection is): used from another thread, it fails."""
+
+    def __init__(self) -> None:
+        self.owners: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> int:
+        info = torch.utils.data.get_worker_info()
+        owner = self.owners.setdefault(info.id, threading.get_ident())
+        if owner != threading.get_ident():
+            raise RuntimeError("a resource opened in another thread")
+        return i
+
+
+@pytest.mark.timeout(60)
+def test_the_trial_leaves_nothing_in_the_dataset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trial runs in a copy of the process: what its samples open per worker stays there,
+    and neither the thread workers nor the forked processes meet it (they failed on it)."""
+    from aioload._backends import method_choice
+    from aioload._engine import setup
+
+    monkeypatch.setattr(setup, "usable_cores", lambda: 2)
+    trial = method_choice._rates
+    for threads_win in (True, False):
+        rates = (100.0, 195.0 if threads_win else 100.0)
+
+        def measured(*args: Any, rates: tuple[float, float] = rates) -> tuple[float, float]:
+            trial(*args)  # (the real trial: its samples open what they open)
+            return rates
+
+        monkeypatch.setattr(method_choice, "_rates", measured)
+        dataset = ThreadBound()
+        loader = aioload.DataLoader(
+            dataset, batch_size=4, num_workers=2, worker_method="auto", persistent_workers=True
+        )
+        assert [i for b in loader for i in b.tolist()] == list(range(16))
+        chosen = loader.stats().as_dict()["tuning"]["worker_method"]["value"]
+        assert chosen == ("thread" if threads_win else "multiprocessing")
+        loader.shutdown()
+
+
+class Locked(Dataset[int]):
+    """A slow sample behind the dataset's lock (a shared handle guarded for threads)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        with self.lock:
+            time.sleep(0.5)
+            return i
+
+
+@pytest.mark.timeout(60)
+def test_a_sample_the_trial_gave_up_on_does_not_hang_the_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A trial sample still running when the trial gives up held the dataset's lock while the
+    worker processes were forked: they inherited it locked, and the pass hung."""
+    from aioload._backends import method_choice
+    from aioload._engine import setup
+
+    monkeypatch.setattr(setup, "usable_cores", lambda: 2)
+    monkeypatch.setattr(method_choice, "_TRIAL_S", 0.01)  # (gives up on a sample after 0.2 s)
+    loader = aioload.DataLoader(
+        Locked(), batch_size=1, num_workers=2, worker_method="auto", timeout=20
+    )
+    assert [b.tolist() for b in loader] == [[0], [1], [2], [3]]
+    choice = loader.stats().as_dict()["tuning"]["worker_method"]
+    assert choice["value"] == "multiprocessing" and "too long" in choice["reason"]
+
+
+def test_under_async_for_the_trial_runs_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trial takes a fraction of a second: under `async for` it runs in a thread, as the
+    workers' start does, never on the loop."""
+    import asyncio
+
+    from aioload._engine import passes
+
+    ran_in: list[threading.Thread] = []
+    decide = passes.auto_worker_method
+
+    def recorded(spec: Any) -> dict[str, Any]:
+        ran_in.append(threading.current_thread())
+        return decide(spec)
+
+    monkeypatch.setattr(passes, "auto_worker_method", recorded)
+
+    async def main() -> list[int]:
+        loader = aioload.DataLoader(Tensors(), batch_size=2, num_workers=2, worker_method="auto")
+        return [int(b[0, 0]) async for b in loader]
+
+    assert asyncio.run(main()) == [0, 2, 4, 6]
+    assert len(ran_in) == 1 and ran_in[0] is not threading.main_thread()
