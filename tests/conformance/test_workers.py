@@ -3,6 +3,7 @@ methods, as torch gives them."""
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import threading
@@ -270,6 +271,39 @@ def test_num_workers_set_between_passes_of_persistent_workers(
     got = reference.run(scenario)
     assert got == reference(scenario)
     assert got["passes"] == [list(range(12))] * 5
+
+
+def test_a_second_pass_on_persistent_workers(
+    loader_cls: type[Any], is_aioload: bool, reference: Reference, no_leaks: None
+) -> None:
+    """DEVIATION (one-pass-on-persistent-workers): with ``persistent_workers``, torch's second
+    ``iter(loader)`` resets its one iterator and returns it again: both names are one pass,
+    which the second goes on with. aioload's second ``iter()`` is a pass of its own, which
+    takes the workers over; the first raises at its next ``next()`` (``RuntimeError``, saying
+    so) rather than share them. Either way every sample comes once, from the newer pass."""
+
+    def scenario(cls: type[Any]) -> dict[str, Any]:
+        loader = cls(list(range(8)), batch_size=2, num_workers=2, persistent_workers=True)
+        first = iter(loader)
+        taken = next(first).tolist()
+        second = iter(loader)
+        rest = [b.tolist() for b in second]
+        again = outcome(functools.partial(next, first))
+        del first, second, loader
+        return {"taken": taken, "rest": rest, "again": again}
+
+    got = reference.run(scenario)
+    expected = reference(scenario)
+    assert expected["taken"] == [0, 1]
+    if not is_aioload:
+        # torch: the second iter() restarted the one pass, which the loop drew to its end.
+        assert expected["rest"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+        assert expected["again"].raised is not None
+        assert expected["again"].raised.type is StopIteration
+        return
+    assert got["taken"] == expected["taken"] and got["rest"] == expected["rest"]
+    assert got["again"].raised is not None and got["again"].raised.type is RuntimeError
+    assert "a newer pass over this loader" in got["again"].raised.message
 
 
 @pytest.mark.parametrize("persistent_workers", [False, True])
