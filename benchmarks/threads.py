@@ -42,7 +42,11 @@ LOADERS = ("thread", "multiprocessing", "forkserver", "auto", "torch", *bare_wor
 # default, named in the results as the one it was).
 PROCESS_START = {"multiprocessing": None, "forkserver": "forkserver"}
 BEGIN, END = "<!-- threads:start (make bench writes this section) -->", "<!-- threads:end -->"
-SAMPLE_PERIOD_S = 0.05
+# How often the runs' PSS is read. Reading /proc/<pid>/smaps_rollup walks every page the
+# process maps: 10-27 ms for one run's tree of processes here, done every 50 ms it took a
+# quarter of a core from the run it measured (jpeg's items/s 5-10 % lower, threads and
+# processes alike). A run's memory is flat once it is under way: twice a second finds its peak.
+SAMPLE_PERIOD_S = 0.5
 
 
 # -- one run, in its own process ------------------------------------------------------------------
