@@ -155,10 +155,17 @@ def _isolated_trial(spec: WorkerSpec, workers: int) -> _Trial:
     """The trial, run in a forked copy of this process (NOTE [ the trial in a copy ]); raises
     what it raised there (as a ``RuntimeError`` naming it), or ``TimeoutError``."""
     read_end, write_end = os.pipe()
+    # What this process has buffered for its stdout and stderr goes out now, once: the copy
+    # would inherit it, and write it again when a sample prints (multiprocessing's fork does
+    # the same before each fork).
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
     pid = os.fork()
     if pid == 0:  # (the copy: it reports, and ends without running anything of the parent's)
         try:
             os.close(read_end)
+            _silence()  # (what the trial's samples print is not the user's output)
             gc.freeze()  # (a collection would write to every page shared with the parent)
             try:
                 report = json.dumps(_trial(spec, workers)._asdict())
@@ -182,6 +189,15 @@ def _isolated_trial(spec: WorkerSpec, workers: int) -> _Trial:
     if "error" in report:
         raise _TrialFailed(report["error"])
     return _Trial(**report)
+
+
+def _silence() -> None:
+    """In the trial's copy: its stdout and stderr go nowhere."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            os.dup2(null, fd)
+    os.close(null)
 
 
 def _read_report(fd: int, deadline: float) -> str | None:

@@ -150,8 +150,8 @@ def _sampled_bytes(items: list[Any] | tuple[Any, ...], depth: int) -> int:
     count = len(items)
     if count <= _SAMPLED:
         return sum(batch_bytes(v, depth + 1) for v in items)
-    sample = items[:: count // _SAMPLED][:_SAMPLED]
-    return sum(batch_bytes(v, depth + 1) for v in sample) * count // len(sample)
+    sampled = sum(batch_bytes(items[k * count // _SAMPLED], depth + 1) for k in range(_SAMPLED))
+    return sampled * count // _SAMPLED
 
 
 # How many items of a container are measured, and how deep containers are walked: a batch's

@@ -109,6 +109,9 @@ class PassPlanner:
         # its end), and then both run on them: the one whose task generation is older saw
         # its epoch end empty, quietly. In turn, the later one supersedes the earlier.
         self._starting = threading.Lock()
+        # worker_method="auto": held while its one trial runs (in the thread that makes a
+        # pass's workers, which two passes may do at once).
+        self._choosing = threading.Lock()
 
     # -- epochs and checkpoints ----------------------------------------------------------------
 
@@ -363,8 +366,11 @@ class PassPlanner:
             elif self.method_choice:
                 spec = spec._replace(worker_method=str(self.method_choice["value"]))
             else:
-                self.method_choice = choice = self.method_choice or {}
-                choose_method = functools.partial(_decide_method, choice)
+                if self.method_choice is None:
+                    self.method_choice = {}  # (filled in place by the one trial)
+                choose_method = functools.partial(
+                    _decide_method, self.method_choice, self._choosing
+                )
         return choose_backend(
             spec,
             keeper=self.workers,
@@ -375,8 +381,10 @@ class PassPlanner:
         )
 
 
-def _decide_method(choice: dict[str, Any], spec: WorkerSpec) -> str:
-    """worker_method="auto": the trial's choice, made once (the report filled in place)."""
-    if not choice:
-        choice.update(auto_worker_method(spec))
+def _decide_method(choice: dict[str, Any], choosing: threading.Lock, spec: WorkerSpec) -> str:
+    """worker_method="auto": the trial's choice, made once per loader (the report filled in
+    place; two passes that make their workers at once wait for the one trial)."""
+    with choosing:
+        if not choice:
+            choice.update(auto_worker_method(spec))
     return str(choice["value"])

@@ -306,3 +306,71 @@ def test_under_async_for_the_trial_runs_off_the_loop(monkeypatch: pytest.MonkeyP
 
     assert asyncio.run(main()) == [0, 2, 4, 6]
     assert len(ran_in) == 1 and ran_in[0] is not threading.main_thread()
+
+
+_CHATTY = """
+import sys, torch, aioload
+from torch.utils.data import Dataset
+
+class Chatty(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        print("sample", i, "x" * 200)
+        return torch.tensor(i)
+
+print("BEFORE-THE-LOADER")  # (still in the stdout buffer: stdout is a pipe)
+loader = aioload.DataLoader(Chatty(), batch_size=8, num_workers=2, worker_method="auto")
+assert sum(len(b) for b in loader) == 64
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_trial_writes_nothing_and_nothing_twice() -> None:
+    """The trial's copy inherited what the parent had buffered for stdout and wrote it again
+    when a sample printed; what the trial's own samples print is not the user's output."""
+    import os
+    import subprocess
+
+    from tests.helpers import _REPO, within
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_REPO, env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-c", _CHATTY],
+        capture_output=True,
+        text=True,
+        timeout=within(50),
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines.count("BEFORE-THE-LOADER") == 1
+    # Each sample once, from the workers (the trial's copy prints none of its own).
+    printed = sorted(int(line.split()[1]) for line in lines if line.startswith("sample"))
+    assert printed == list(range(64))
+
+
+def test_passes_made_before_the_first_choice_share_one_trial(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two iterators made before "auto" has chosen: one trial, one method for both passes."""
+    from aioload._engine import passes
+
+    calls: list[int] = []
+    decide = passes.auto_worker_method
+
+    def counted(spec: Any) -> dict[str, Any]:
+        calls.append(1)
+        return decide(spec)
+
+    monkeypatch.setattr(passes, "auto_worker_method", counted)
+    loader = aioload.DataLoader(Tensors(), batch_size=2, num_workers=2, worker_method="auto")
+    first, second = iter(loader), iter(loader)
+    assert int(next(first)[0, 0]) == 0
+    assert [int(b[0, 0]) for b in second] == [0, 2, 4, 6]
+    assert len(calls) == 1
+    choice = loader.stats().as_dict()["tuning"]["worker_method"]
+    assert choice["value"] in ("thread", "multiprocessing")

@@ -383,6 +383,11 @@ def test_batch_bytes_counts_a_long_list_and_a_deep_one_whole() -> None:
     assert batch_bytes([torch.zeros(128, dtype=torch.float64)] * 1024) == 1024 * 1024
     assert batch_bytes({str(k): torch.zeros(2) for k in range(1000)}) == 8000
     assert batch_bytes([[torch.zeros(1)] * 3] * 300) == 300 * 3 * 4
+    # A sample spread over the whole list, whatever its length and wherever the large ones are.
+    small, large = torch.zeros(1), torch.zeros(100_000)
+    for items in ([small] * 256 + [large] * 255, [large] * 255 + [small] * 256):
+        true = sum(t.nbytes for t in items)
+        assert 0.9 * true <= batch_bytes(items) <= 1.1 * true
     deep: object = torch.zeros(16)
     for _ in range(6):
         deep = [deep]
