@@ -31,13 +31,17 @@ import threading
 import time
 from typing import Any
 
+import torch
+
 from .._named_tuple import NamedTuple
 from .base import WorkerSpec
 
 __all__ = ["choose_worker_method"]
 
-# How long each half of the trial fetches (one thread, then the workers' threads at once).
+# How long each half of the trial fetches (one thread, then the workers' threads at once),
+# after the one thread's untimed warm-up.
 _TRIAL_S = 0.15
+_WARM_UP_S = 0.05
 # The most samples one thread fetches in a half (a fast dataset is decided in far less time,
 # yet in enough samples that starting the threads does not weigh on its rate).
 _TRIAL_MAX_SAMPLES = 2048
@@ -166,6 +170,9 @@ def _isolated_trial(spec: WorkerSpec, workers: int) -> _Trial:
         try:
             os.close(read_end)
             _silence()  # (what the trial's samples print is not the user's output)
+            # torch's ops on one intra-op thread, as in a worker process (torch's own call) and
+            # in a thread worker (its own OpenMP limit): the trial measures what they would do.
+            torch.set_num_threads(1)
             gc.freeze()  # (a collection would write to every page shared with the parent)
             try:
                 report = json.dumps(_trial(spec, workers)._asdict())
@@ -273,21 +280,26 @@ def _rates(
     from .._worker.info import _set_thread_worker_info
 
     dataset = spec.dataset
-    counts = [[0] * workers, [0] * workers]
+    # (A warm-up first, by the one thread, untimed: in the trial's copy the first samples
+    # touch pages still shared with the parent, each touch a copy, which the one thread's
+    # rate would otherwise pay alone, making the threads look better than they are.)
+    phases = ((_WARM_UP_S, False), (_TRIAL_S, False), (_TRIAL_S, True))
+    counts = [[0] * workers for _ in phases]
     errors: list[BaseException] = []
-    halves = threading.Barrier(workers + 1)  # (each half starts, and ends, for all at once)
+    halves = threading.Barrier(workers + 1)  # (each phase starts, and ends, for all at once)
 
     def fetch(k: int) -> None:
         try:
             _as_worker(spec, k, drew_rng)
-            for half, fetching in enumerate((k == 0, True)):
+            for phase, (seconds, all_threads) in enumerate(phases):
                 halves.wait()
-                step = workers if half else 1
-                deadline = time.perf_counter() + _TRIAL_S
+                fetching = all_threads or k == 0
+                step = workers if all_threads else 1
+                deadline = time.perf_counter() + seconds
                 index = k
-                while fetching and counts[half][k] < _TRIAL_MAX_SAMPLES:
+                while fetching and counts[phase][k] < _TRIAL_MAX_SAMPLES:
                     dataset[index % size]
-                    counts[half][k] += 1
+                    counts[phase][k] += 1
                     index += step
                     fetching = time.perf_counter() < deadline
                 halves.wait()
@@ -302,7 +314,7 @@ def _rates(
     for k in range(workers):
         threading.Thread(target=fetch, args=(k,), name="aioload-trial", daemon=True).start()
     rates = []
-    for half in (0, 1):
+    for phase in range(len(phases)):
         try:
             # (Bounded: a sample that hangs here leaves the choice to processes.)
             halves.wait(_TRIAL_S * 20)
@@ -313,5 +325,5 @@ def _rates(
                 raise errors[0] from None
             raise TimeoutError("a sample took too long") from None
         took = time.perf_counter() - began
-        rates.append(sum(counts[half]) / took if took > 0 else 0.0)
-    return rates[0], rates[1]
+        rates.append(sum(counts[phase]) / took if took > 0 else 0.0)
+    return rates[1], rates[2]
