@@ -63,16 +63,18 @@ _TRIAL_BASE_SEED = 0
 
 
 def choose_worker_method(spec: WorkerSpec, cores: int) -> dict[str, Any]:
-    """``worker_method="auto"``, decided once per loader, before its first pass with
-    workers: threads on a free-threaded interpreter; otherwise a short trial in this process
-    measures how the dataset's samples scale across threads (the GIL decides it: decoding and
-    I/O release it, pure-Python samples do not). Threads are chosen where
+    """``worker_method="auto"``, decided once per loader, when its first pass with workers
+    makes them: threads on a free-threaded interpreter; otherwise a short trial, in a forked
+    copy of this process (NOTE [ the trial in a copy ]), measures how the dataset's samples
+    scale across threads (the GIL decides it: decoding and I/O release it, pure-Python
+    samples do not). Threads are chosen where
     ``n = min(num_workers, cores)`` threads fetch at least ``_THREADS_AT_LEAST`` times what
     ``n`` processes are estimated to deliver: ``n`` times one thread's rate, each sample
     costing a process ``_PROCESS_OVERHEAD_PER_SAMPLE_S`` more (its trip to the consumer), so
     that a fast sample, where that trip is most of the cost, can go to threads that scale
-    less than ``n`` times. The trial restores the process-wide generators it may have drawn
-    from. Returns the choice with its reason and figures (``stats()["tuning"]``)."""
+    less than ``n`` times. A dataset that uses its ``get_worker_info().rng`` gets threads, one
+    that draws from the process-wide generators processes. Returns the choice with its
+    reason and figures (``stats()["tuning"]``)."""
     choice: dict[str, Any] = {"auto": True}
     is_gil_enabled = getattr(sys, "_is_gil_enabled", None)
     if is_gil_enabled is not None and not is_gil_enabled():

@@ -577,8 +577,8 @@ def draw_base_seed(generator: torch.Generator | None) -> int:
 
 def auto_worker_method(spec: WorkerSpec) -> dict[str, Any]:
     """worker_method="auto" (``spec``'s): a short trial (``_backends.method_choice.choose_worker_method``),
-    run once, before the loader's first pass with workers; its report (``stats()["tuning"]``)
-    holds the choice as ``"value"``, and the loader keeps it."""
+    run once, when the loader's first pass with workers makes them; its report
+    (``stats()["tuning"]``) holds the choice as ``"value"``, and the loader keeps it."""
     from .._backends.method_choice import choose_worker_method
 
     return choose_worker_method(spec, usable_cores())
