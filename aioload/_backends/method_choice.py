@@ -55,7 +55,7 @@ _PROCESS_OVERHEAD_PER_SAMPLE_S = 1.5e-6
 # worker, no /dev/shm, a faster first batch).
 _THREADS_AT_LEAST = 0.9
 # The most the trial may take, in all, before its copy is stopped and processes are chosen
-# (each half's threads are given _TRIAL_S * 20 to finish their sample: see _rates).
+# (each phase's threads are given _TRIAL_S * 20 to finish their sample: see _rates).
 _TRIAL_DEADLINE_S = 10.0
 # The trial threads' generators (``get_worker_info().rng``) are seeded from this, not from the
 # pass's base seed, which is not drawn yet (drawing it would move torch's generator).
@@ -159,7 +159,7 @@ class _Trial(NamedTuple):
 
 def _isolated_trial(spec: WorkerSpec, workers: int) -> _Trial:
     """The trial, run in a forked copy of this process (NOTE [ the trial in a copy ]); raises
-    what it raised there (as a ``RuntimeError`` naming it), or ``TimeoutError``."""
+    ``_TrialFailed`` naming what it raised there, or ``TimeoutError``."""
     read_end, write_end = os.pipe()
     # What this process has buffered for its stdout and stderr goes out now, once: the copy
     # would inherit it, and write it again when a sample prints (multiprocessing's fork does
@@ -288,13 +288,13 @@ def _rates(
     phases = ((_WARM_UP_S, False), (_TRIAL_S, False), (_TRIAL_S, True))
     counts = [[0] * workers for _ in phases]
     errors: list[BaseException] = []
-    halves = threading.Barrier(workers + 1)  # (each phase starts, and ends, for all at once)
+    in_step = threading.Barrier(workers + 1)  # (each phase starts, and ends, for all at once)
 
     def fetch(k: int) -> None:
         try:
             _as_worker(spec, k, drew_rng)
             for phase, (seconds, all_threads) in enumerate(phases):
-                halves.wait()
+                in_step.wait()
                 fetching = all_threads or k == 0
                 step = workers if all_threads else 1
                 deadline = time.perf_counter() + seconds
@@ -304,12 +304,12 @@ def _rates(
                     counts[phase][k] += 1
                     index += step
                     fetching = time.perf_counter() < deadline
-                halves.wait()
+                in_step.wait()
         except threading.BrokenBarrierError:
             pass  # (the trial gave up: the caller says why)
         except BaseException as error:  # (reported to the caller)
             errors.append(error)
-            halves.abort()  # (the caller's wait ends, and so do the other threads')
+            in_step.abort()  # (the caller's wait ends, and so do the other threads')
         finally:
             _set_thread_worker_info(None)
 
@@ -319,9 +319,9 @@ def _rates(
     for phase in range(len(phases)):
         try:
             # (Bounded: a sample that hangs here leaves the choice to processes.)
-            halves.wait(_TRIAL_S * 20)
+            in_step.wait(_TRIAL_S * 20)
             began = time.perf_counter()
-            halves.wait(_TRIAL_S * 20)
+            in_step.wait(_TRIAL_S * 20)
         except threading.BrokenBarrierError:
             if errors:
                 raise errors[0] from None
