@@ -110,3 +110,16 @@ def stop_mp_helpers(no_leaks: None) -> Iterator[None]:
     gc.collect()
     multiprocessing.forkserver._forkserver._stop()  # type: ignore[attr-defined]
     multiprocessing.resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def patient_shutdown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shutdown waits up to ten seconds (scaled), not half a second, for workers to leave by
+    themselves before it kills them (or abandons a thread): for tests whose proof is what a
+    worker does as it leaves. A loaded machine may not schedule a worker within the half
+    second, and one killed then writes nothing; a worker that never leaves still fails the
+    test, as it is killed all the same."""
+    from aioload._backends import process, thread
+
+    monkeypatch.setattr(process, "SHUTDOWN_GRACE_S", within(10))
+    monkeypatch.setattr(thread, "CLOSE_GRACE_S", within(10))

@@ -714,9 +714,10 @@ class WorkerPool:
 
     # -- shutdown ----------------------------------------------------------------------------
 
-    def close(self, grace: float = SHUTDOWN_GRACE_S) -> None:
+    def close(self, grace: float | None = None) -> None:
         """Stop every worker and release every resource. Bounded: at most ``grace`` seconds
-        of waiting, then SIGKILL. Safe to call twice, from a finalizer, or after a fork."""
+        (by default ``SHUTDOWN_GRACE_S``) of waiting, then SIGKILL. Safe to call twice, from a
+        finalizer, or after a fork."""
         if os.getpid() != self._owner_pid:
             return
         # (After a staggered start's fork in another thread, if one runs: it then forks no
@@ -735,7 +736,10 @@ class WorkerPool:
             worker.channel.close()
             if worker.process is None:
                 self._unregister(worker)
-        stop_processes([w for w in self.workers if w.process is not None], grace)
+        stop_processes(
+            [w for w in self.workers if w.process is not None],
+            SHUTDOWN_GRACE_S if grace is None else grace,
+        )
         for worker in self.workers:
             worker.exited = True
         # 4. Unmapping our side happens as leases die: a batch the user still holds stays valid.

@@ -69,7 +69,7 @@ THREAD = BackendTraits(slow_start=False, runs_ahead=True)
 # as an answer is, so this only bounds the sleep.
 _HEALTH_CHECK_S = 1.0
 # How long close() waits, in all, for the threads to finish the task in hand and leave.
-_CLOSE_GRACE_S = 0.5
+CLOSE_GRACE_S = 0.5
 # How often a thread's async batch looks whether its pass is still wanted: a new pass or
 # close() cancels it, as a process worker cancels the batches of a pass it has left (else a
 # stale fetch that never ends would hold the thread, and the next pass would wait on it).
@@ -467,10 +467,10 @@ class ThreadBackend:
         for worker in self.workers:
             worker.inbox.put(SetConcurrency(concurrency))
 
-    def close(self, grace: float = _CLOSE_GRACE_S) -> None:
+    def close(self, grace: float | None = None) -> None:
         """Tell every thread to leave after the task in hand, and wait for them a bounded
-        while; one still in a sample after that is abandoned (a daemon: it never holds up
-        the interpreter's exit). Idempotent."""
+        while (``grace``, by default ``CLOSE_GRACE_S``); one still in a sample after that is
+        abandoned (a daemon: it never holds up the interpreter's exit). Idempotent."""
         if self.closed:
             return
         self.closed = True
@@ -479,7 +479,7 @@ class ThreadBackend:
             worker.inbox.put(_STOP)
         # Closed first: a thread between two tasks skips what is left in its inbox.
         self.shared.close()
-        deadline = time.monotonic() + grace
+        deadline = time.monotonic() + (CLOSE_GRACE_S if grace is None else grace)
         for worker in self.workers:
             if worker.thread is not threading.current_thread():
                 worker.thread.join(max(0.0, deadline - time.monotonic()))
@@ -504,7 +504,7 @@ class ThreadBackend:
 # daemon thread that is still inside native code (a torch op, a decoder) when the interpreter
 # finalises keeps running while the process's C++ statics are destroyed under it, and the
 # process aborts ("terminate called without an active exception", exit status 134) after the
-# user's script ended well. A pass's close() waits only briefly (_CLOSE_GRACE_S), and the
+# user's script ended well. A pass's close() waits only briefly (CLOSE_GRACE_S), and the
 # finalizers that close an abandoned pass or kept workers at exit call that close().
 #
 # So at exit every live backend is closed, and every worker thread still running (of a pass

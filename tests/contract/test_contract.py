@@ -165,10 +165,10 @@ def test_a_hung_worker_is_replaced_and_nothing_repeats(backend: Backend, mode: s
     # The timeout counts the replacement's start too, and a Ray actor takes seconds to start:
     # more than this case's timeout, so a healed Ray pass times out again while the new actor
     # starts ("starting (node not known yet)").
-    backend.skip_if_ray("a replacement Ray actor starts slower than the 1 s timeout")
+    backend.skip_if_ray("a replacement Ray actor starts slower than the 2 s timeout")
     # Batch 0 never comes, the first time: past the timeout its worker is replaced, and the
     # replacement makes it.
-    loader = backend.loader(Where(12), hang=0, timeout=1.0, max_worker_restarts=1)
+    loader = backend.loader(Where(12), hang=0, timeout=2.0, max_worker_restarts=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = drain(loader, mode)

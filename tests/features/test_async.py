@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -12,7 +13,7 @@ import torch
 from torch.utils.data import Dataset
 
 import aioload
-from tests.helpers import max_stall, run_on
+from tests.helpers import max_stall, run_on, within
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -100,10 +101,29 @@ def test_loop_never_stalls_while_batches_stream(
     assert best < 0.020, f"heartbeat stalled {best * 1000:.1f} ms (runs: {results})"
 
 
+class _LastWaitsFor(Frames):
+    """``Frames`` whose last sample waits until ``marker`` exists (at most ten seconds,
+    scaled: a hang guard)."""
+
+    def __init__(self, n: int, marker: Path, delay: float) -> None:
+        super().__init__(n, delay=delay)
+        self.marker = marker
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if i == self.n - 1:
+            deadline = time.monotonic() + within(10)
+            while not self.marker.exists() and time.monotonic() < deadline:
+                time.sleep(0.005)
+        return super().__getitem__(i)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_two_loaders_share_one_loop(backend: str, no_leaks: None) -> None:
+def test_two_loaders_share_one_loop(backend: str, tmp_path: Path, no_leaks: None) -> None:
     """Two ``async for`` loops on one event loop interleave instead of taking turns."""
-    slow = aioload.DataLoader(Frames(24, delay=0.01), batch_size=4, num_workers=1)
+    # The slow loader's last sample waits for the fast loader's end (not for a time a loaded
+    # machine could outlast): had the two taken turns, the fast one would never get there.
+    fast_done = tmp_path / "fast-done"
+    slow = aioload.DataLoader(_LastWaitsFor(24, fast_done, 0.01), batch_size=4, num_workers=1)
     fast = aioload.DataLoader(Frames(48), batch_size=4, num_workers=1)
 
     async def main() -> tuple[list[int], list[int], list[str]]:
@@ -116,6 +136,8 @@ def test_two_loaders_share_one_loop(backend: str, no_leaks: None) -> None:
                 events.append(name)
                 out.extend(int(i) for i in batch["index"])
             results[name] = out
+            if name == "fast":
+                fast_done.touch()
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(consume, "slow", slow)

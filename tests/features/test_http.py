@@ -244,7 +244,7 @@ def test_sync_dataset_connection_reset(server: tuple[FileServer, list[str]]) -> 
 
 
 def test_stalled_server_times_out_and_workers_shut_down(
-    server: tuple[FileServer, list[str]], tmp_path: Path
+    server: tuple[FileServer, list[str]], tmp_path: Path, patient_shutdown: None
 ) -> None:
     loader = _with_a_bad_path(server, 16, 9, "stall", 4, tmp_path, num_workers=2, timeout=1.0)
     it = iter(loader)

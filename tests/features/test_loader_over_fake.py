@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 import aioload
-from aioload._backends.fake import HANG, FakeWorkers
+from aioload._backends.fake import HANG, FakeWorkers, VirtualClock
 from tests.scripts.datasets import Sharded
 
 # torch's own check, against this machine's cores: the fake forks no worker.
@@ -101,7 +101,9 @@ def test_out_of_order_answers_under_async_for() -> None:
 
 def test_in_order_false_yields_what_is_ready_first() -> None:
     # Task 0 answers last: with in_order=False nothing waits for it.
-    fake = FakeWorkers(delay=lambda task_id: 0.05 if task_id == 0 else 0.0)
+    # (On the fake's own clock: on the machine's, a stall while the first tasks go out
+    # makes the tasks after 0 due later than it.)
+    fake = FakeWorkers(delay=lambda task_id: 0.05 if task_id == 0 else 0.0, clock=VirtualClock())
     got = _indices(_rows(_loader(fake, in_order=False)))
     assert sorted(got) == IN_ORDER, "every batch exactly once"
     assert got[0] != IN_ORDER[0]

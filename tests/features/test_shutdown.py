@@ -377,7 +377,7 @@ def test_break_while_a_worker_is_stuck(api: str, how: str, tmp_path: Path, no_le
     assert elapsed < within(5)
     # A thread worker cannot be killed: it leaves once its stuck sample ends.
     _RELEASE.set()
-    assert wait_no_children(timeout=0.5) == []
+    assert wait_no_children() == []
 
 
 # -- an error that escapes the loop, kept ----------------------------------------------------

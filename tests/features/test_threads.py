@@ -167,13 +167,13 @@ class Stuck(Dataset[int]):
 
 
 def _restarting(dataset: Stuck, prefetch_factor: int = 2) -> aioload.DataLoader[Any]:
-    """Two thread workers, a stuck one abandoned after 0.5 s and replaced (once)."""
+    """Two thread workers, a stuck one abandoned after 2 s and replaced (once)."""
     return aioload.DataLoader(
         dataset,
         batch_size=2,
         num_workers=2,
         worker_method="thread",
-        timeout=0.5,
+        timeout=2.0,
         max_worker_restarts=1,
         prefetch_factor=prefetch_factor,
     )

@@ -94,7 +94,9 @@ def test_out_of_order_names_the_oldest_unanswered_task(
 ) -> None:
     # Batch 0 is late; the others arrive and are delivered first. The consumer then waits
     # for batch 0 alone.
-    backend = FakeBackend(2, delay=lambda task_id: 0.6 if task_id == 0 else 0.0)
+    # (Well past the threshold: a loaded machine that stalls the engine until batch 0 is in
+    # would leave nothing to report.)
+    backend = FakeBackend(2, delay=lambda task_id: 1.5 if task_id == 0 else 0.0)
     engine = _engine(backend, threshold=0.2, in_order=False)
     caplog.set_level(logging.WARNING, logger="aioload")
     out = _drain(engine, front)
@@ -106,8 +108,9 @@ def test_out_of_order_names_the_oldest_unanswered_task(
 
 
 def test_each_slow_batch_is_reported_once(caplog: pytest.LogCaptureFixture) -> None:
-    # (All four are sent at once: batch 3 is due well after batch 1.)
-    backend = FakeBackend(2, delay=lambda task_id: {1: 0.35, 3: 0.9}.get(task_id, 0.0))
+    # (All four are sent at once: batch 3 is due well after batch 1, and both well past the
+    # threshold, for a loaded machine's stalls.)
+    backend = FakeBackend(2, delay=lambda task_id: {1: 1.0, 3: 2.0}.get(task_id, 0.0))
     engine = _engine(backend, threshold=0.1)
     caplog.set_level(logging.WARNING, logger="aioload")
     assert _drain(engine, "blocking") == BATCHES

@@ -69,10 +69,12 @@ def _run(
     delay: Any,
     batches: list[list[int]] = BATCHES,
     workers: int = WORKERS,
-    clock: VirtualClock | None = None,
 ) -> tuple[_Recording, Any, list[Any]]:
+    # The scripted delays count on the fake's own clock, which stands still while the engine
+    # works: on the machine's, a loaded machine stalls the engine past a late head's delay (or
+    # holds an on-time head's worker up), and what a test scripts is not what the engine sees.
     backend = _Recording(delay, workers)
-    backend.clock = clock
+    backend.clock = VirtualClock()
     engine = _engine(backend, batches, prefetch=PREFETCH)
     backend.engine = engine
     got = _drain(engine)
@@ -186,9 +188,8 @@ def test_the_run_ahead_stays_within_its_limit(monkeypatch: pytest.MonkeyPatch) -
 
 def test_an_on_time_head_keeps_torchs_window() -> None:
     # Every task alike: the window is never exceeded (tasks beyond it go out only when a
-    # worker would run dry behind a late head). On the fake's own clock: on the machine's, a
-    # loaded machine can hold the head's worker up, and then the head is late indeed.
-    backend, engine, got = _run(lambda task_id: 0.0005, clock=VirtualClock())
+    # worker would run dry behind a late head).
+    backend, engine, got = _run(lambda task_id: 0.0005)
     assert got == BATCHES
     assert max(backend.unyielded) <= WINDOW
     assert engine.stats.snapshot().run_ahead_peak <= WORKERS
@@ -209,6 +210,7 @@ def test_uneven_times_keep_order_and_exactly_once_in_and_out_of_order() -> None:
 
 def test_a_lost_worker_during_the_run_ahead_repeats_and_loses_nothing() -> None:
     backend = _Recording(_late_head)
+    backend.clock = VirtualClock()
     backend.lose_on = {SLOW + 2 * WORKERS + 1}  # a task sent while the head is late
     engine = _engine(backend, BATCHES, prefetch=PREFETCH, restarts=1)
     backend.engine = engine
@@ -275,16 +277,20 @@ def test_a_checkpoint_taken_while_batches_wait_ahead_resumes_exactly(front: str)
     # robin: [index, worker id] match (the draws come from each worker's own generators,
     # which a resumed pass does not replay).
     for seed_per_sample in (True, False):
-        fake = FakeWorkers(delay=_late_head, serial=True)
+        fake = FakeWorkers(delay=_late_head, serial=True, clock=VirtualClock())
         whole = [b[0].tolist() for b in _loader(fake, seed_per_sample)]
-        loader = _loader(FakeWorkers(delay=_late_head, serial=True), seed_per_sample)
+        loader = _loader(
+            FakeWorkers(delay=_late_head, serial=True, clock=VirtualClock()), seed_per_sample
+        )
         it = iter(loader)
         head = [next(it)[0].tolist() for _ in range(SLOW + 1)]
         stats = loader.stats()
         assert stats.run_ahead_peak > 0 and stats.waiting_in_order > 0, "taken mid-run-ahead"
         state = loader.state_dict()
         del it
-        resumed = _loader(FakeWorkers(delay=_late_head, serial=True), seed_per_sample)
+        resumed = _loader(
+            FakeWorkers(delay=_late_head, serial=True, clock=VirtualClock()), seed_per_sample
+        )
         resumed.load_state_dict(state)
         tail = [b[0].tolist() for b in resumed]
         if seed_per_sample:
@@ -308,7 +314,10 @@ def test_with_seed_per_sample_in_order_tasks_go_to_the_least_busy_worker(
     # sampler's order, each once, with the same per-sample draws. Without it, torch's round
     # robin: each worker fetches its fixed third, whatever it costs.
     got = [
-        b[0].tolist() for b in _loader(FakeWorkers(delay=_slow_index, serial=True), seed_per_sample)
+        b[0].tolist()
+        for b in _loader(
+            FakeWorkers(delay=_slow_index, serial=True, clock=VirtualClock()), seed_per_sample
+        )
     ]
     reference = [b[0].tolist() for b in _loader(FakeWorkers(serial=True), seed_per_sample)]
     assert [[i, r] for i, _, r in got] == [[i, r] for i, _, r in reference]
@@ -361,7 +370,7 @@ def test_batches_that_grow_keep_the_batches_waiting_within_the_memory_bound() ->
         num_workers=4,
         prefetch_factor="auto",
         max_memory=1 << 20,
-        workers=FakeWorkers(delay=delay, serial=True),
+        workers=FakeWorkers(delay=delay, serial=True, clock=VirtualClock()),
     )
     got = [int(b.numel()) for b in loader]
     assert got == [1] * 48 + [10_000] * 112

@@ -66,17 +66,26 @@ def not_installed() -> Iterator[Any]:
     yield from _child(install=False)
 
 
-def test_every_thread_of_a_worker_stuck_in_user_code(installed: Any) -> None:
+def _whole_dump(pid: int) -> str | None:
+    """Asked until a dump has both threads, for ten seconds at most. (The event is set
+    before the sleep: the first ask may come before it is entered. And a read ends once the
+    dump has not grown for a while: a loaded machine can pause the child mid-dump.)"""
     stack = None
     deadline = time.monotonic() + 10
-    while stack is None and time.monotonic() < deadline:
-        # (The event is set before the sleep: the first ask may come before it is entered.)
-        stack = stacks.read_stack(installed.pid)
+    while time.monotonic() < deadline:
+        stack = stacks.read_stack(pid)
+        if stack is not None and "in _deep_in_user_code" in stack and "in _helper_thread" in stack:
+            break
+    return stack
+
+
+def test_every_thread_of_a_worker_stuck_in_user_code(installed: Any) -> None:
+    stack = _whole_dump(installed.pid)
     assert stack is not None
     assert "in _deep_in_user_code" in stack and "in _helper_thread" in stack
     assert stack.count("most recent call first") == 2  # each thread
     # Asked again, the same: each read takes only the new dump.
-    again = stacks.read_stack(installed.pid)
+    again = _whole_dump(installed.pid)
     assert again is not None and again.count("most recent call first") == 2
     assert installed.is_alive()
 
