@@ -276,7 +276,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
         )
         self.device = extras.device
         self.max_worker_restarts = max_worker_restarts
-        self.worker_method = check_worker_method(
+        self._worker_method = check_worker_method(
             worker_method, self.dataset, self.num_workers, workers, seed_per_sample
         )
         self.workers = workers  # None: local workers; RayWorkers: Ray actors
@@ -392,6 +392,19 @@ class DataLoader(torch.utils.data.DataLoader[T_co], Generic[T_co]):
             if arguments.num_workers != self.num_workers:
                 # num_workers="auto" with an IterableDataset: the count this pass runs.
                 self.num_workers = arguments.num_workers
+
+    @property
+    def worker_method(self) -> str:
+        """Where the workers run: ``"multiprocessing"``, ``"thread"`` or ``"auto"``."""
+        return self._worker_method
+
+    @worker_method.setter
+    def worker_method(self, worker_method: str) -> None:
+        # Set after construction, checked as the constructor checks it (a misspelt value ran
+        # processes): torch checks multiprocessing_context so too. The next pass runs it.
+        self._worker_method = check_worker_method(
+            worker_method, self.dataset, self.num_workers, self.workers, self.seed_per_sample
+        )
 
     @property
     def _index_sampler(self) -> Any:

@@ -92,6 +92,8 @@ def choose_worker_method(spec: WorkerSpec, cores: int) -> dict[str, Any]:
         untried = "an IterableDataset is not tried (its stream would be drawn from)"
     elif is_async_dataset(dataset, spec.dataset_kind) or is_stateful(dataset):
         untried = "an async or Stateful dataset is not tried"
+    elif spec.num_workers < 2:
+        untried = "one worker: a thread shares the GIL with the consumer, a process runs beside it"
     elif workers < 2:
         untried = "one usable core: threads cannot run in parallel"
     if untried is not None:

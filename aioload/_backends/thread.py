@@ -133,8 +133,12 @@ class _ThreadWorker:
     """One incarnation of a worker slot: its thread and its inbox. A replacement is a new
     incarnation in the same slot; the old one's answers are dropped (``poll``)."""
 
-    def __init__(self, backend: ThreadBackend, worker_id: int) -> None:
+    def __init__(
+        self, backend: ThreadBackend, worker_id: int, before_init: dict[str, Any] | None
+    ) -> None:
         self.worker_id = worker_id
+        # The dataset's attributes before worker_init_fn ran (``_before_init``).
+        self.before_init = before_init
         self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         # Set by the engine when this incarnation is abandoned or replaced: the tasks left in
         # its inbox went to the slot's new thread, so it must run none of them (a dataset
@@ -168,10 +172,11 @@ class _ThreadWorker:
         try:
             # Made here: worker_init_fn and get_worker_info() are this thread's.
             step = WorkerStep(self.config, slabs=None, place="thread")
+            rebound = _rebound(self.before_init, step)
             if step.is_async:
-                self._serve_async(step)
+                self._serve_async(step, rebound)
             else:
-                self._serve(step)
+                self._serve(step, rebound)
         except BaseException as error:  # (reported as the worker's loss)
             message = f"DataLoader worker (thread {self.thread.name}) ended unexpectedly: {error!r}"
             lost = WorkerDiedError(message, worker_id=self.worker_id)
@@ -179,28 +184,29 @@ class _ThreadWorker:
         finally:
             _set_thread_worker_info(None)
 
-    def _serve(self, step: WorkerStep) -> None:
+    def _serve(self, step: WorkerStep, rebound: list[str]) -> None:
         while (message := self.inbox.get()) is not _STOP and not self.dismissed.is_set():
             if isinstance(message, Reset):
                 if step.accepts(message):
                     step.generation = message.generation
                     step.new_pass(message.plan)
-                    _refuse_shared_iterator(step)
+                    _refuse_shared_state(step, rebound)
             elif isinstance(message, SetConcurrency):
                 step.set_concurrency(message.concurrency)
             elif self.shared.current(message.generation):
                 started = time.perf_counter()
                 self._answer(step, message, step.run(message), started)
 
-    def _serve_async(self, step: WorkerStep) -> None:
+    def _serve_async(self, step: WorkerStep, rebound: list[str]) -> None:
         from .._worker.main import _new_event_loop
 
         loop = _new_event_loop()
         try:
             loop.run_until_complete(step.finish_async_init())
+            rebound = rebound or _rebound(self.before_init, step)  # (an async worker_init_fn)
             entered = loop.run_until_complete(step.enter_async_context())
             try:
-                self._serve_on(loop, step)
+                self._serve_on(loop, step, rebound)
             finally:
                 if step.fetcher is not None:
                     with contextlib.suppress(Exception):
@@ -213,7 +219,9 @@ class _ThreadWorker:
                 loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
 
-    def _serve_on(self, loop: asyncio.AbstractEventLoop, step: WorkerStep) -> None:
+    def _serve_on(
+        self, loop: asyncio.AbstractEventLoop, step: WorkerStep, rebound: list[str]
+    ) -> None:
         """An async dataset's tasks, one after another, each awaited on this thread's loop
         (its samples ``worker_concurrency`` at a time)."""
         while (message := self.inbox.get()) is not _STOP and not self.dismissed.is_set():
@@ -222,7 +230,7 @@ class _ThreadWorker:
                     step.generation = message.generation
                     if step.iterable:
                         loop.run_until_complete(step.start_async_stream(message.plan))
-                        _refuse_shared_iterator(step)
+                        _refuse_shared_state(step, rebound)
                     else:
                         step.new_async_pass(message.plan)
             elif isinstance(message, SetConcurrency):
@@ -324,25 +332,57 @@ def _by_reference(result: Produced) -> Any:
     return result.data
 
 
-def _refuse_shared_iterator(step: WorkerStep) -> None:
+def _before_init(spec: WorkerSpec) -> dict[str, Any] | None:
+    """An IterableDataset's attributes before thread workers run ``worker_init_fn`` on it,
+    taken before any of them starts (each worker's own snapshot would count what a sibling
+    added as changed), or None where there is nothing to compare."""
+    if spec.worker_init_fn is None or spec.dataset_kind != 1:
+        return None
+    return dict(getattr(spec.dataset, "__dict__", {}))
+
+
+def _rebound(before: dict[str, Any] | None, step: WorkerStep) -> list[str]:
+    """The dataset's attributes that ``worker_init_fn`` bound to other objects: torch's
+    recipe of sharding an IterableDataset by changing ``get_worker_info().dataset``, which
+    needs a copy per worker. What it adds (a client of its own) is not counted."""
+    if before is None:
+        return []
+    now = getattr(step.dataset, "__dict__", {})
+    return sorted(k for k, v in before.items() if k in now and now[k] is not v)
+
+
+def _refuse_shared_state(step: WorkerStep, rebound: list[str]) -> None:
     """An IterableDataset that is its own iterator (``__iter__``, or an async one's
     ``__aiter__``, returns ``self``) has one stream, which every thread worker would draw from
     at once: each worker's stream is its own only where ``iter(dataset)`` makes a new
-    iterator. This pass fails with a message that says so (a process worker has a copy of
-    the dataset, so it never meets this)."""
+    iterator. And a ``worker_init_fn`` that shards the dataset by changing its attributes
+    (torch's docstring recipe: ``get_worker_info().dataset.start = ...``) changes them for
+    every thread worker, which then lose and repeat elements. Either way this pass fails with
+    a message that says so (a process worker has a copy of the dataset, so it never meets
+    this)."""
     fetcher = step.fetcher
     if not (step.iterable and step.config.num_workers > 1 and fetcher is not None):
         return
-    if getattr(fetcher, "stream", None) is not step.dataset:
-        return
-    method = "__aiter__" if step.is_async else "__iter__"
-    try:
-        raise TypeError(
-            f"aioload: {type(step.dataset).__name__}.{method} returns the dataset itself, so "
-            f"its {step.config.num_workers} thread workers (worker_method='thread') would share "
-            f"one stream; make {method} return a new iterator, or use worker_method="
-            "'multiprocessing' (each process has its own copy)"
+    name, workers = type(step.dataset).__name__, step.config.num_workers
+    shared = f"its {workers} thread workers (worker_method='thread') share"
+    instead = "or use worker_method='multiprocessing' (each process has its own copy)"
+    if rebound:
+        message = (
+            f"aioload: worker_init_fn changed {', '.join(rebound)} of the "
+            f"{name}, which {shared}: sharding an IterableDataset by changing "
+            "get_worker_info().dataset needs a copy per worker; shard in __iter__ with "
+            f"get_worker_info() instead, {instead}"
         )
+    elif getattr(fetcher, "stream", None) is step.dataset:
+        method = "__aiter__" if step.is_async else "__iter__"
+        message = (
+            f"aioload: {name}.{method} returns the dataset itself, so {shared} one stream; "
+            f"make {method} return a new iterator, {instead}"
+        )
+    else:
+        return
+    try:
+        raise TypeError(message)
     except TypeError:
         step.fetch_error = step.error().error
 
@@ -368,7 +408,8 @@ class ThreadBackend:
         self._abandoned: list[int] = []
         self.concurrency: int | None = None
         self.active = self.num_workers
-        self.workers = [_ThreadWorker(self, w) for w in range(self.num_workers)]
+        before = _before_init(spec)  # (before any thread's worker_init_fn runs)
+        self.workers = [_ThreadWorker(self, w, before) for w in range(self.num_workers)]
         _live.add(self)
 
     # -- the seam ----------------------------------------------------------------------------
@@ -429,7 +470,7 @@ class ThreadBackend:
         old = self.workers[worker_id]
         old.dismissed.set()
         old.inbox.put(_STOP)
-        replacement = _ThreadWorker(self, worker_id)
+        replacement = _ThreadWorker(self, worker_id, _before_init(self.spec))
         self.workers[worker_id] = replacement
         replacement.inbox.put(Reset(self.generation, self.plans[worker_id]))
         if self.concurrency is not None:

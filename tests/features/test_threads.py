@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 import aioload
 from tests.helpers import run_fresh, run_on, within
@@ -348,6 +348,29 @@ def test_seed_per_sample_seeds_each_samples_own_generators() -> None:
     assert list(threads) == list(processes)
 
 
+class Methods(Dataset[str]):
+    """Each sample: the worker method of the worker that fetched it."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> str:
+        info = get_worker_info()
+        return "caller" if info is None else str(getattr(info, "worker_method", "multiprocessing"))
+
+
+def test_worker_method_set_after_construction_is_checked_and_runs() -> None:
+    """As the constructor checks it: a misspelt value set on the loader ran processes."""
+    loader = aioload.DataLoader(Methods(), batch_size=None, num_workers=2, worker_method="thread")
+    with pytest.raises(ValueError, match="worker_method option should be"):
+        loader.worker_method = "threads"  # type: ignore[assignment]
+    assert loader.worker_method == "thread" and set(loader) == {"thread"}
+    loader.worker_method = "multiprocessing"
+    assert set(loader) == {"multiprocessing"}
+    with pytest.warns(UserWarning, match="seed_per_sample"):
+        aioload.DataLoader(Methods(), num_workers=2, seed_per_sample=True).worker_method = "thread"
+
+
 def test_thread_workers_leave_the_global_generators_alone() -> None:
     """A process worker's globals are seeded per worker; a thread's are the consumer's, and no
     thread worker reseeds them."""
@@ -397,6 +420,59 @@ def test_an_async_iterable_that_is_its_own_iterator_is_refused_with_several_thre
         list(loader)
     one = aioload.DataLoader(OwnAsyncIterator(), num_workers=1, worker_method="thread")
     assert [int(b) for b in one] == list(range(20))
+
+
+class Ranged(IterableDataset[int]):
+    """torch's IterableDataset docstring example: ``[start, end)``, sharded by a
+    ``worker_init_fn`` that changes the worker's dataset (``_shard_by_changing``)."""
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end
+
+    def __iter__(self) -> Any:
+        return iter(range(self.start, self.end))
+
+
+def _shard_by_changing(worker_id: int) -> None:
+    info = get_worker_info()
+    dataset = info.dataset
+    per = -(-(dataset.end - dataset.start) // info.num_workers)
+    dataset.start = dataset.start + info.id * per
+    dataset.end = min(dataset.start + per, dataset.end)
+
+
+def _open_a_client(worker_id: int) -> None:
+    get_worker_info().dataset.client = object()  # added, not changed: each worker's own
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_sharding_by_changing_the_shared_dataset_is_refused(persistent: bool) -> None:
+    """torch's recipe changes each worker's copy of the dataset; thread workers share one, so
+    the workers' shards overlapped and missed elements (it gave [3, 4, 4] for range(3, 7),
+    then an empty epoch), silently. With one thread worker, or processes, it holds."""
+    kwargs: dict[str, Any] = {"worker_init_fn": _shard_by_changing}
+    torchs = sorted(
+        int(x) for x in torch.utils.data.DataLoader(Ranged(3, 7), num_workers=2, **kwargs)
+    )
+    assert torchs == [3, 4, 5, 6]
+    threads = aioload.DataLoader(
+        Ranged(3, 7), num_workers=2, worker_method="thread", persistent_workers=persistent, **kwargs
+    )
+    with pytest.raises(
+        TypeError, match=r"worker_init_fn changed (end|start, end|start) of the Ranged"
+    ):
+        list(threads)
+    threads.shutdown()
+    assert (
+        sorted(int(x) for x in aioload.DataLoader(Ranged(3, 7), num_workers=2, **kwargs)) == torchs
+    )
+    one = aioload.DataLoader(Ranged(3, 7), num_workers=1, worker_method="thread", **kwargs)
+    assert [int(x) for x in one] == torchs
+    # What worker_init_fn adds to the dataset is not a change of it (the last one wins).
+    opened = aioload.DataLoader(
+        Ranged(0, 8), num_workers=2, worker_method="thread", worker_init_fn=_open_a_client
+    )
+    assert sorted(int(x) for x in opened) == sorted(2 * list(range(8)))
 
 
 class Streams(IterableDataset[int]):

@@ -89,6 +89,22 @@ def test_auto_does_not_try_an_iterable_dataset() -> None:
     assert choice["value"] == "multiprocessing" and "IterableDataset" in choice["reason"]
 
 
+@pytest.mark.parametrize("num_workers, cores", [(1, 4), (2, 1)])
+def test_one_worker_or_one_core_is_not_tried_and_says_which(
+    monkeypatch: pytest.MonkeyPatch, num_workers: int, cores: int
+) -> None:
+    from aioload._engine import setup
+
+    monkeypatch.setattr(setup, "usable_cores", lambda: cores)
+    loader = aioload.DataLoader(
+        Tensors(), batch_size=2, num_workers=num_workers, worker_method="auto"
+    )
+    assert [int(b[0, 0]) for b in loader] == [0, 2, 4, 6]
+    choice = loader.stats().as_dict()["tuning"]["worker_method"]
+    assert choice["value"] == "multiprocessing"
+    assert ("one worker" if num_workers == 1 else "one usable core") in choice["reason"]
+
+
 def test_a_datapipe_gets_processes() -> None:
     # Each worker shards and reseeds its own copy of a DataPipe: threads share one, so "auto"
     # takes processes (worker_method="thread" refuses it).
