@@ -504,12 +504,16 @@ class _SyncIterator:
         # serialises). The engine's steps are not made to interleave: unguarded, two threads
         # lost batches and then hung. A thread waits here while another waits for a batch.
         self._turn = threading.Lock()
+        # What ended the pass before its end, if an interrupt did (``_ended_by``).
+        self._ended_by: str | None = None
 
     def __iter__(self) -> _SyncIterator:
         return self
 
     def __next__(self) -> Any:
         with self._turn:
+            if self._ended_by is not None:
+                raise _ended_by(self._ended_by)
             engine = self._engine
             stats = engine.stats
             entered = stats.enter()
@@ -520,10 +524,13 @@ class _SyncIterator:
 
                     batch = _sync.run(engine.next())
             except BaseException as error:
-                if not isinstance(error, Exception):
-                    # Ctrl-C (or SystemExit) ends the pass wherever it lands, as under `async
-                    # for`: a notebook keeps the interrupt, and with it this iterator.
+                if not isinstance(error, Exception) and not _raised_in_wait(error):
+                    # Ctrl-C (or SystemExit) in the wait keeps the pass, as torch's iterator
+                    # does: the state is whole there. Anywhere else it ends the pass (an
+                    # answer may be half taken in), and the next next() says so: NOTE [an
+                    # interrupt in the wait].
                     engine.close()
+                    self._ended_by = type(error).__name__
                 # Nothing in the error's traceback may keep the pass alive: it then ends when the
                 # consumer drops the iterator, not at a garbage collection (release_pass_frames).
                 release_pass_frames(error)
@@ -554,6 +561,8 @@ class _AsyncIterator:
 
     def __init__(self, engine: Orchestrator) -> None:
         self._engine = engine
+        # What ended the pass before its end, if a cancellation did (``_ended_by``).
+        self._ended_by: str | None = None
         # The pass's counters (for aioload.progress).
         self.pass_stats = engine.stats
 
@@ -561,6 +570,8 @@ class _AsyncIterator:
         return self
 
     async def __anext__(self) -> Any:
+        if self._ended_by is not None:
+            raise _ended_by(self._ended_by)
         engine = self._engine
         stats = engine.stats
         entered = stats.enter()
@@ -578,6 +589,7 @@ class _AsyncIterator:
                 # loop and shielded. A plain dataset error is not this: the pass goes on, as
                 # in torch. (GeneratorExit means this coroutine is being closed, and it may not
                 # await; the iterator's __del__ stops the pass then.)
+                self._ended_by = type(exc).__name__
                 await engine.aclose()
             # As in _SyncIterator.__next__: the pass lives as long as the consumer's own
             # references, not as long as the error (asyncio.run raises it out of a cycle).
@@ -606,3 +618,20 @@ class _AsyncIterator:
 
     def __del__(self) -> None:
         self._engine.close()
+
+
+def _raised_in_wait(error: BaseException) -> bool:
+    from ._aio.waiting import raised_in_wait  # (only where an interrupt lands)
+
+    return raised_in_wait(error)
+
+
+def _ended_by(cause: str) -> RuntimeError:
+    """The error a pass's iterator raises once a cancellation or an interrupt has ended the
+    pass before its end: going on quietly (``StopIteration``) would end the epoch short."""
+    return RuntimeError(
+        f"aioload: this pass was ended by {cause} before its end, so the batches it had not "
+        "yielded will not come from this iterator. Start a new pass (a new `for` or `async "
+        "for`), or continue where it stopped: loader.load_state_dict(loader.state_dict()), "
+        "then iterate again"
+    )

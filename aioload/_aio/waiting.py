@@ -352,7 +352,11 @@ class Waiter:
             self._watch(source)
         if not self._fds:
             if timeout != math.inf:
-                time.sleep(timeout)
+                try:
+                    time.sleep(timeout)
+                except BaseException as error:
+                    _mark_in_wait(error)
+                    raise
             return False
         if self._poller is None:
             self._poller = select.poll()
@@ -390,4 +394,27 @@ def _poll_blocking(poller: select.poll, timeout: float) -> list[tuple[int, int]]
     """``poller.poll()`` for at most ``timeout`` seconds (poll takes milliseconds, and rounds a
     fraction up). A function of its own so that a profile tells the sleep from the work around
     it (``benchmarks.parent_profile``)."""
-    return poller.poll(None if timeout == math.inf else timeout * 1e3)
+    try:
+        return poller.poll(None if timeout == math.inf else timeout * 1e3)
+    except BaseException as error:
+        _mark_in_wait(error)
+        raise
+
+
+# NOTE [an interrupt in the wait]. A signal handler's exception (Ctrl-C's KeyboardInterrupt)
+# is raised where the main thread is when the signal is handled: almost always here, in the
+# blocking wait, where the pass's state is whole; rarely in the bookkeeping around it, where
+# an answer may be half taken in. Marked here, the sync front end keeps a pass interrupted in
+# its wait (torch's iterator goes on after a Ctrl-C too) and ends one interrupted anywhere
+# else, whose next ``next()`` then says so (``loader._ended_by``).
+_IN_WAIT = "_aioload_raised_in_wait"
+
+
+def _mark_in_wait(error: BaseException) -> None:
+    with contextlib.suppress(Exception):  # (an exception type without attributes)
+        setattr(error, _IN_WAIT, True)
+
+
+def raised_in_wait(error: BaseException) -> bool:
+    """Whether ``error`` came out of a blocking wait itself (NOTE [an interrupt in the wait])."""
+    return bool(getattr(error, _IN_WAIT, False))
