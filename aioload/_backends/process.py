@@ -716,8 +716,7 @@ class WorkerPool:
 
     def close(self, grace: float | None = None) -> None:
         """Stop every worker and release every resource. Bounded: at most ``grace`` seconds
-        (by default ``SHUTDOWN_GRACE_S``) of waiting, then SIGKILL. Safe to call twice, from a
-        finalizer, or after a fork."""
+        (``SHUTDOWN_GRACE_S``) of waiting, then SIGKILL. Safe twice, in a finalizer, a fork."""
         if os.getpid() != self._owner_pid:
             return
         # (After a staggered start's fork in another thread, if one runs: it then forks no
@@ -736,14 +735,11 @@ class WorkerPool:
             worker.channel.close()
             if worker.process is None:
                 self._unregister(worker)
-        stop_processes(
-            [w for w in self.workers if w.process is not None],
-            SHUTDOWN_GRACE_S if grace is None else grace,
-        )
+        grace = SHUTDOWN_GRACE_S if grace is None else grace
+        stop_processes([w for w in self.workers if w.process is not None], grace)
         for worker in self.workers:
             worker.exited = True
-        # 4. Unmapping our side happens as leases die: a batch the user still holds stays valid.
-        for worker in self.workers:
+            # 4. Unmapping our side happens as leases die: a batch the user holds stays valid.
             worker.mappings.clear()
         # (An engine's wait watches a duplicate of each, which it closes itself.)
         self._awaited_epoll.close()
