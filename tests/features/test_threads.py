@@ -459,7 +459,7 @@ def test_sharding_by_changing_the_shared_dataset_is_refused(persistent: bool) ->
         Ranged(3, 7), num_workers=2, worker_method="thread", persistent_workers=persistent, **kwargs
     )
     with pytest.raises(
-        TypeError, match=r"worker_init_fn changed (end|start, end|start) of the Ranged"
+        TypeError, match=r"worker_init_fn changed (end|start|end, start) of the Ranged"
     ):
         list(threads)
     threads.shutdown()
