@@ -475,6 +475,35 @@ def test_sharding_by_changing_the_shared_dataset_is_refused(persistent: bool) ->
     assert sorted(int(x) for x in opened) == sorted(2 * list(range(8)))
 
 
+class AsyncRanged(aioload.AsyncIterableDataset[int]):
+    """``Ranged``, async."""
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end
+
+    async def __aiter__(self) -> Any:
+        for i in range(self.start, self.end):
+            await asyncio.sleep(0)
+            yield i
+
+
+async def _shard_by_changing_async(worker_id: int) -> None:
+    _shard_by_changing(worker_id)
+
+
+@pytest.mark.parametrize("init", [_shard_by_changing, _shard_by_changing_async])
+def test_an_async_iterable_sharded_by_changing_it_is_refused_too(init: Any) -> None:
+    """The same, for an async stream, whichever kind of worker_init_fn changes it (an async
+    one runs on the worker's loop, after its setup)."""
+    threads = aioload.DataLoader(
+        AsyncRanged(0, 8), num_workers=2, worker_method="thread", worker_init_fn=init
+    )
+    with pytest.raises(TypeError, match=r"worker_init_fn changed (end|start|end, start) of"):
+        list(threads)
+    processes = aioload.DataLoader(AsyncRanged(0, 8), num_workers=2, worker_init_fn=init)
+    assert sorted(int(x) for x in processes) == list(range(8))
+
+
 class Streams(IterableDataset[int]):
     """Each worker's own stream: iter() makes a new generator, sharded by worker id."""
 
