@@ -504,7 +504,7 @@ class _SyncIterator:
         # serialises). The engine's steps are not made to interleave: unguarded, two threads
         # lost batches and then hung. A thread waits here while another waits for a batch.
         self._turn = threading.Lock()
-        # What ended the pass before its end, if an interrupt did (``_ended_by``).
+        # What ended the pass before its end, if an interrupt did (``_ended_early``).
         self._ended_by: str | None = None
 
     def __iter__(self) -> _SyncIterator:
@@ -513,7 +513,7 @@ class _SyncIterator:
     def __next__(self) -> Any:
         with self._turn:
             if self._ended_by is not None:
-                raise _ended_by(self._ended_by)
+                raise _ended_early(self._ended_by)
             engine = self._engine
             stats = engine.stats
             entered = stats.enter()
@@ -561,7 +561,7 @@ class _AsyncIterator:
 
     def __init__(self, engine: Orchestrator) -> None:
         self._engine = engine
-        # What ended the pass before its end, if a cancellation did (``_ended_by``).
+        # What ended the pass before its end, if a cancellation did (``_ended_early``).
         self._ended_by: str | None = None
         # The pass's counters (for aioload.progress).
         self.pass_stats = engine.stats
@@ -571,7 +571,7 @@ class _AsyncIterator:
 
     async def __anext__(self) -> Any:
         if self._ended_by is not None:
-            raise _ended_by(self._ended_by)
+            raise _ended_early(self._ended_by)
         engine = self._engine
         stats = engine.stats
         entered = stats.enter()
@@ -626,7 +626,7 @@ def _raised_in_wait(error: BaseException) -> bool:
     return raised_in_wait(error)
 
 
-def _ended_by(cause: str) -> RuntimeError:
+def _ended_early(cause: str) -> RuntimeError:
     """The error a pass's iterator raises once a cancellation or an interrupt has ended the
     pass before its end: going on quietly (``StopIteration``) would end the epoch short."""
     return RuntimeError(

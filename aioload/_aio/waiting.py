@@ -406,7 +406,7 @@ def _poll_blocking(poller: select.poll, timeout: float) -> list[tuple[int, int]]
 # blocking wait, where the pass's state is whole; rarely in the bookkeeping around it, where
 # an answer may be half taken in. Marked here, the sync front end keeps a pass interrupted in
 # its wait (torch's iterator goes on after a Ctrl-C too) and ends one interrupted anywhere
-# else, whose next ``next()`` then says so (``loader._ended_by``).
+# else, whose next ``next()`` then says so (``loader._ended_early``).
 _IN_WAIT = "_aioload_raised_in_wait"
 
 

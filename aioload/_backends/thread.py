@@ -172,11 +172,10 @@ class _ThreadWorker:
         try:
             # Made here: worker_init_fn and get_worker_info() are this thread's.
             step = WorkerStep(self.config, slabs=None, place="thread")
-            rebound = _rebound(self.before_init, step)
             if step.is_async:
-                self._serve_async(step, rebound)
+                self._serve_async(step)
             else:
-                self._serve(step, rebound)
+                self._serve(step)
         except BaseException as error:  # (reported as the worker's loss)
             message = f"DataLoader worker (thread {self.thread.name}) ended unexpectedly: {error!r}"
             lost = WorkerDiedError(message, worker_id=self.worker_id)
@@ -184,7 +183,8 @@ class _ThreadWorker:
         finally:
             _set_thread_worker_info(None)
 
-    def _serve(self, step: WorkerStep, rebound: list[str]) -> None:
+    def _serve(self, step: WorkerStep) -> None:
+        rebound = _rebound(self.before_init, step)  # (worker_init_fn ran in WorkerStep())
         while (message := self.inbox.get()) is not _STOP and not self.dismissed.is_set():
             if isinstance(message, Reset):
                 if step.accepts(message):
@@ -197,13 +197,13 @@ class _ThreadWorker:
                 started = time.perf_counter()
                 self._answer(step, message, step.run(message), started)
 
-    def _serve_async(self, step: WorkerStep, rebound: list[str]) -> None:
+    def _serve_async(self, step: WorkerStep) -> None:
         from .._worker.main import _new_event_loop
 
         loop = _new_event_loop()
         try:
             loop.run_until_complete(step.finish_async_init())
-            rebound = rebound or _rebound(self.before_init, step)  # (an async worker_init_fn)
+            rebound = _rebound(self.before_init, step)  # (after an async worker_init_fn too)
             entered = loop.run_until_complete(step.enter_async_context())
             try:
                 self._serve_on(loop, step, rebound)
@@ -363,6 +363,9 @@ def _refuse_shared_state(step: WorkerStep, rebound: list[str]) -> None:
     fetcher = step.fetcher
     if not (step.iterable and step.config.num_workers > 1 and fetcher is not None):
         return
+    own_iterator = getattr(fetcher, "stream", None) is step.dataset
+    if not (rebound or own_iterator):
+        return
     name, workers = type(step.dataset).__name__, step.config.num_workers
     shared = f"its {workers} thread workers (worker_method='thread') share"
     instead = "or use worker_method='multiprocessing' (each process has its own copy)"
@@ -373,14 +376,12 @@ def _refuse_shared_state(step: WorkerStep, rebound: list[str]) -> None:
             "get_worker_info().dataset needs a copy per worker; shard in __iter__ with "
             f"get_worker_info() instead, {instead}"
         )
-    elif getattr(fetcher, "stream", None) is step.dataset:
+    else:
         method = "__aiter__" if step.is_async else "__iter__"
         message = (
             f"aioload: {name}.{method} returns the dataset itself, so {shared} one stream; "
             f"make {method} return a new iterator, {instead}"
         )
-    else:
-        return
     try:
         raise TypeError(message)
     except TypeError:

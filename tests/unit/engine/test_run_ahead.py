@@ -35,10 +35,14 @@ BATCHES = [[i] for i in range(160)]
 
 class _Recording(FakeBackend):
     """Serial workers; records, at each task sent, how many tasks were between sent and
-    yielded, and which tasks had been answered when the slow one was."""
+    yielded, and which tasks had been answered when the slow one was. The scripted delays
+    count on the fake's own clock, which stands still while the engine works: on the
+    machine's, a loaded machine stalls the engine past a late head's delay (or holds an
+    on-time head's worker up), and what a test scripts is not what the engine sees."""
 
     def __init__(self, delay: Any, workers: int = WORKERS) -> None:
         super().__init__(workers, delay=delay, serial=True)
+        self.clock = VirtualClock()
         self.engine: Any = None
         self.unyielded: list[int] = []
         self.limits: list[int] = []
@@ -70,11 +74,7 @@ def _run(
     batches: list[list[int]] = BATCHES,
     workers: int = WORKERS,
 ) -> tuple[_Recording, Any, list[Any]]:
-    # The scripted delays count on the fake's own clock, which stands still while the engine
-    # works: on the machine's, a loaded machine stalls the engine past a late head's delay (or
-    # holds an on-time head's worker up), and what a test scripts is not what the engine sees.
     backend = _Recording(delay, workers)
-    backend.clock = VirtualClock()
     engine = _engine(backend, batches, prefetch=PREFETCH)
     backend.engine = engine
     got = _drain(engine)
@@ -210,7 +210,6 @@ def test_uneven_times_keep_order_and_exactly_once_in_and_out_of_order() -> None:
 
 def test_a_lost_worker_during_the_run_ahead_repeats_and_loses_nothing() -> None:
     backend = _Recording(_late_head)
-    backend.clock = VirtualClock()
     backend.lose_on = {SLOW + 2 * WORKERS + 1}  # a task sent while the head is late
     engine = _engine(backend, BATCHES, prefetch=PREFETCH, restarts=1)
     backend.engine = engine
